@@ -1,0 +1,61 @@
+"""oneCCL backend for torch.distributed.
+
+``import oneccl_bind_pt`` (or ``oneccl_bindings_for_pytorch``, or ``torch_ccl``)
+registers the ``ccl`` backend: ``torch.distributed.init_process_group("ccl")``.
+"""
+
+import atexit
+import os
+
+from ._version import __version__
+from ._version import TORCH_VERSION as _TORCH_VERSION
+
+# The installed package folder; env/setvars.sh lives under it.
+cwd = os.path.dirname(os.path.abspath(__file__))
+
+
+def _check_torch():
+    import torch
+
+    try:
+        from ._build_info import TORCH_BUILT_WITH
+    except ImportError:  # a source tree nobody built
+        TORCH_BUILT_WITH = _TORCH_VERSION
+    if torch.__version__ != TORCH_BUILT_WITH:
+        raise ImportError(
+            f"oneccl_bind_pt {__version__} was built against torch {TORCH_BUILT_WITH}, "
+            f"but torch {torch.__version__} is installed. Install the matching torch "
+            f"(pip install torch=={TORCH_BUILT_WITH.split('+')[0]}) or rebuild oneccl_bind_pt "
+            "against this one."
+        )
+
+
+_check_torch()
+
+import torch.distributed as _dist  # noqa: E402
+
+from . import _C  # noqa: E402
+from ._env import apply_ccl_defaults as _apply_ccl_defaults  # noqa: E402
+from ._env import map_launcher_env as _map_launcher_env  # noqa: E402
+
+ProcessGroupCCL = _C.ProcessGroupCCL
+launcher = _map_launcher_env()
+_defaults_applied = False
+
+
+def _create_backend(store, rank, size, timeout):
+    global _defaults_applied
+    if not _defaults_applied:
+        _apply_ccl_defaults(store, rank, size)
+        _defaults_applied = True
+    return ProcessGroupCCL(store, rank, size, timeout)
+
+
+if "ccl" not in _dist.Backend.backend_list:
+    _dist.Backend.register_backend("ccl", _create_backend, devices=["cpu"])
+# For code that builds the backend itself, as with torch-ccl.
+_dist.ProcessGroupCCL = ProcessGroupCCL
+
+atexit.register(_C._shutdown)
+
+__all__ = ["ProcessGroupCCL", "__version__", "cwd", "launcher"]

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Sets up .venv with the pinned stack and builds/installs oneccl_bind_pt into it.
+# Idempotent: a second run only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$python" -m venv .venv
+fi
+# torch is pinned: an unpinned torch would pull the CUDA build.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+# --no-build-isolation: build against the torch in .venv, the one it will run with.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps .
+.venv/bin/python -c "import oneccl_bind_pt as m; print('oneccl_bind_pt', m.__version__, 'ready in', m.cwd)"

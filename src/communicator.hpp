@@ -1,0 +1,50 @@
+// Communicators: the process-wide oneCCL runtime and one communicator per
+// process group, created once at group construction and shared by every op
+// (and every in-flight Work) of that group.
+#pragma once
+
+#include <oneapi/ccl.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+namespace oneccl_bind_pt {
+
+// oneCCL reads its environment once, here; the Python package sets its
+// defaults before the first group is created.
+void ensure_ccl_initialized();
+
+class Communicator {
+ public:
+  Communicator(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      int rank,
+      int size,
+      std::chrono::milliseconds timeout);
+
+  ccl::communicator& get() { return *comm_; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  // After a timeout or a oneCCL failure, operations may still be in flight and
+  // peers may sit in different collectives: nothing more can run safely.
+  void mark_broken(const std::string& why);
+  bool broken() const { return broken_.load(std::memory_order_acquire); }
+  std::string broken_reason() const;
+
+ private:
+  int rank_;
+  int size_;
+  std::shared_ptr<ccl::kvs> kvs_;
+  std::optional<ccl::communicator> comm_;
+  std::atomic<bool> broken_{false};
+  mutable std::mutex why_mutex_;
+  std::string why_;
+};
+
+} // namespace oneccl_bind_pt

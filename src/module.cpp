@@ -1,0 +1,51 @@
+// Registration: the Python extension module `oneccl_bind_pt._C`.
+// The Python package registers the backend with torch.distributed on import.
+#include "process_group_ccl.hpp"
+#include "work.hpp"
+
+#include <pybind11/chrono.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace py = pybind11;
+
+namespace {
+
+std::string runtime_ccl_version() {
+  const auto v = ccl::get_library_version();
+  return v.full ? std::string(v.full) : std::to_string(v.major) + "." + std::to_string(v.minor);
+}
+
+} // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "oneCCL backend for torch.distributed (internal; use `import oneccl_bind_pt`).";
+
+  // The base class must be known to pybind11 before we derive from it.
+  py::module::import("torch.distributed");
+
+  py::class_<
+      oneccl_bind_pt::ProcessGroupCCL,
+      c10d::Backend,
+      c10::intrusive_ptr<oneccl_bind_pt::ProcessGroupCCL>>(m, "ProcessGroupCCL")
+      .def(
+          py::init([](const c10::intrusive_ptr<c10d::Store>& store,
+                      int rank,
+                      int size,
+                      std::chrono::milliseconds timeout) {
+            return c10::make_intrusive<oneccl_bind_pt::ProcessGroupCCL>(store, rank, size, timeout);
+          }),
+          py::arg("store"),
+          py::arg("rank"),
+          py::arg("size"),
+          py::arg("timeout") = std::chrono::milliseconds(kBackendDefaultTimeout),
+          py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "_shutdown",
+      [] { oneccl_bind_pt::Progress::get().shutdown(); },
+      py::call_guard<py::gil_scoped_release>(),
+      "Stops the background progress thread (called at interpreter exit).");
+  m.def("ccl_runtime_version", &runtime_ccl_version, "oneCCL version loaded at run time.");
+  m.attr("ccl_build_version") = std::to_string(CCL_MAJOR_VERSION) + "." +
+      std::to_string(CCL_MINOR_VERSION) + "." + std::to_string(CCL_UPDATE_VERSION);
+}

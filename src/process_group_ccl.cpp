@@ -1,0 +1,741 @@
+#include "process_group_ccl.hpp"
+
+#include "dtypes.hpp"
+#include "reduce_ops.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <numeric>
+
+namespace oneccl_bind_pt {
+
+namespace {
+
+using c10d::OpType;
+
+constexpr OpInfo kBroadcast{OpType::BROADCAST, "broadcast", "pg::broadcast"};
+constexpr OpInfo kAllreduce{OpType::ALLREDUCE, "allreduce", "pg::allreduce"};
+constexpr OpInfo kAllreduceCoalesced{
+    OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", "pg::allreduce_coalesced"};
+constexpr OpInfo kReduce{OpType::REDUCE, "reduce", "pg::reduce"};
+constexpr OpInfo kAllgather{OpType::ALLGATHER, "allgather", "pg::allgather"};
+constexpr OpInfo kAllgatherBase{
+    OpType::_ALLGATHER_BASE, "all_gather_into_tensor", "pg::all_gather_into_tensor"};
+constexpr OpInfo kAllgatherCoalesced{
+    OpType::ALLGATHER_COALESCED, "allgather_coalesced", "pg::allgather_coalesced"};
+constexpr OpInfo kAllgatherIntoTensorCoalesced{
+    OpType::COALESCED, "all_gather_into_tensor_coalesced",
+    "pg::all_gather_into_tensor_coalesced"};
+constexpr OpInfo kGather{OpType::GATHER, "gather", "pg::gather"};
+constexpr OpInfo kScatter{OpType::SCATTER, "scatter", "pg::scatter"};
+constexpr OpInfo kReduceScatter{OpType::REDUCE_SCATTER, "reduce_scatter", "pg::reduce_scatter"};
+constexpr OpInfo kReduceScatterBase{
+    OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", "pg::reduce_scatter_tensor"};
+constexpr OpInfo kReduceScatterTensorCoalesced{
+    OpType::REDUCE_SCATTER_TENSOR_COALESCED, "reduce_scatter_tensor_coalesced",
+    "pg::reduce_scatter_tensor_coalesced"};
+constexpr OpInfo kAlltoallBase{OpType::ALLTOALL_BASE, "all_to_all_single", "pg::all_to_all_single"};
+constexpr OpInfo kAlltoall{OpType::ALLTOALL, "alltoall", "pg::alltoall"};
+constexpr OpInfo kSend{OpType::SEND, "send", "pg::send"};
+constexpr OpInfo kRecv{OpType::RECV, "recv", "pg::recv"};
+constexpr OpInfo kBarrier{OpType::BARRIER, "barrier", "pg::barrier"};
+constexpr OpInfo kCoalesced{OpType::COALESCED, "coalesced", "pg::coalesced"};
+
+// oneCCL rejects null buffers even for zero counts; empty tensors may have one.
+void* ptr(const at::Tensor& t) {
+  static char dummy;
+  void* p = t.numel() > 0 ? t.data_ptr() : nullptr;
+  return p ? p : &dummy;
+}
+
+size_t nbytes(const at::Tensor& t) {
+  return t.numel() * t.element_size();
+}
+
+// Views any contiguous tensor as a flat byte tensor sharing its memory.
+at::Tensor as_bytes(const at::Tensor& t) {
+  return t.reshape({-1}).view(at::kByte);
+}
+
+// `dense_ok`: element-wise ops accept any non-overlapping dense layout, as
+// every rank holds the same layout; ops that slice need row-major order.
+void check_tensor(const char* op, const at::Tensor& t, const std::string& what, bool dense_ok = false) {
+  TORCH_CHECK_VALUE(t.defined(), "ccl ", op, ": ", what, " is undefined");
+  TORCH_CHECK_VALUE(
+      t.device().is_cpu(), "ccl ", op, ": ", what, " is on device '", t.device(),
+      "'; the ccl backend works on CPU tensors (move it with .cpu())");
+  TORCH_CHECK_VALUE(
+      t.layout() == at::kStrided, "ccl ", op, ": ", what, " has layout ", t.layout(),
+      "; expected a dense (strided) tensor");
+  const bool ok = dense_ok ? t.is_non_overlapping_and_dense() : t.is_contiguous();
+  TORCH_CHECK_VALUE(
+      ok, "ccl ", op, ": ", what, " is not contiguous (sizes ", t.sizes(), ", strides ",
+      t.strides(), "); pass tensor.contiguous()");
+}
+
+const at::Tensor& single(const char* op, const std::vector<at::Tensor>& tensors, bool dense_ok = false) {
+  TORCH_CHECK_VALUE(
+      tensors.size() == 1, "ccl ", op, ": expected exactly one tensor, got ", tensors.size(),
+      " (one process drives one CPU device)");
+  check_tensor(op, tensors[0], "tensor", dense_ok);
+  return tensors[0];
+}
+
+void check_rank(const char* op, const char* what, int64_t r, int size) {
+  TORCH_CHECK_VALUE(
+      r >= 0 && r < size, "ccl ", op, ": ", what, " ", r,
+      " is out of range for a process group of size ", size, " (expected 0..", size - 1, ")");
+}
+
+void check_same_dtype(const char* op, const at::Tensor& t, const at::Tensor& ref, const std::string& what) {
+  TORCH_CHECK_TYPE(
+      t.scalar_type() == ref.scalar_type(), "ccl ", op, ": ", what, " has dtype ",
+      dtype_name(t.scalar_type()), " but the input has ", dtype_name(ref.scalar_type()),
+      "; all tensors of one call must share a dtype");
+}
+
+void check_list(
+    const char* op,
+    const std::vector<at::Tensor>& list,
+    const at::Tensor& ref,
+    int size,
+    const char* what) {
+  TORCH_CHECK_VALUE(
+      static_cast<int>(list.size()) == size, "ccl ", op, ": ", what, " has ", list.size(),
+      " tensors; expected one per rank (", size, ")");
+  for (size_t i = 0; i < list.size(); ++i) {
+    const auto name = std::string(what) + "[" + std::to_string(i) + "]";
+    check_tensor(op, list[i], name);
+    check_same_dtype(op, list[i], ref, name);
+  }
+}
+
+// The tensor-pair ops (all_gather_into_tensor, reduce_scatter_tensor and their
+// coalesced forms): lists pair up, and the larger tensor of every pair holds
+// one share per rank. Returns the op's name for a single pair or for many.
+const OpInfo& check_pairs(
+    const OpInfo& one,
+    const OpInfo& many,
+    const std::vector<at::Tensor>& outputs,
+    const std::vector<at::Tensor>& inputs,
+    int size,
+    bool output_is_larger) {
+  const OpInfo& info = inputs.size() == 1 ? one : many;
+  const char* op = info.name;
+  TORCH_CHECK_VALUE(
+      !inputs.empty() && outputs.size() == inputs.size(), "ccl ", op, ": got ", outputs.size(),
+      " outputs and ", inputs.size(), " inputs; expected the same non-zero number");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(op, inputs[i], "input");
+    check_tensor(op, outputs[i], "output");
+    check_same_dtype(op, outputs[i], inputs[i], "output");
+    const auto& small = output_is_larger ? inputs[i] : outputs[i];
+    const auto& large = output_is_larger ? outputs[i] : inputs[i];
+    TORCH_CHECK_VALUE(
+        large.numel() == small.numel() * size, "ccl ", op, ": output has ", outputs[i].numel(),
+        " elements and input ", inputs[i].numel(), "; expected the ",
+        output_is_larger ? "output" : "input", " to hold group size (", size, ") x ",
+        output_is_larger ? "input" : "output", " = ", small.numel() * size, " elements");
+  }
+  return info;
+}
+
+std::chrono::milliseconds pick_timeout(std::chrono::milliseconds requested, std::chrono::milliseconds group) {
+  return requested == c10d::kUnsetTimeout ? group : requested;
+}
+
+// A flat copy of `tensors`, one after the other.
+at::Tensor flatten_copy(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flat;
+  flat.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    flat.push_back(t.reshape({-1}));
+  }
+  return at::cat(flat);
+}
+
+// Copies consecutive slices of `flat` back into `tensors`.
+void unflatten_into(const at::Tensor& flat, std::vector<at::Tensor>& tensors) {
+  int64_t offset = 0;
+  for (auto& t : tensors) {
+    const auto n = t.numel();
+    t.view({-1}).copy_(flat.narrow(0, offset, n));
+    offset += n;
+  }
+}
+
+std::vector<size_t> byte_counts(const std::vector<at::Tensor>& tensors) {
+  std::vector<size_t> counts;
+  counts.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    counts.push_back(nbytes(t));
+  }
+  return counts;
+}
+
+} // namespace
+
+struct ProcessGroupCCL::Call {
+  const OpInfo& op;
+  std::chrono::milliseconds timeout;
+  std::vector<at::Tensor> inputs; // shown to the profiler
+  std::vector<at::Tensor> outputs; // Work::result() and the Future's value
+  std::vector<at::Tensor> buffers = {}; // scratch memory oneCCL uses
+  std::function<void()> on_success = nullptr;
+};
+
+ProcessGroupCCL::ProcessGroupCCL(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout)
+    : c10d::Backend(rank, size),
+      comm_(std::make_shared<Communicator>(store, rank, size, timeout)),
+      timeout_(timeout) {}
+
+ProcessGroupCCL::~ProcessGroupCCL() = default;
+
+c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupCCL::getBackendOptions() {
+  return c10::make_intrusive<Options>("ccl", timeout_);
+}
+
+template <typename Issue>
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::run(Call&& call, Issue&& issue) {
+  TORCH_CHECK(
+      !comm_->broken(), "ccl ", call.op.name,
+      ": this process group is unusable after an earlier failure: ", comm_->broken_reason());
+  auto work = c10::make_intrusive<WorkCCL>(
+      call.op, comm_, call.inputs, std::move(call.outputs), call.timeout);
+  work->buffers = std::move(call.buffers);
+  work->buffers.insert(work->buffers.end(), call.inputs.begin(), call.inputs.end());
+  work->on_success = std::move(call.on_success);
+  auto& progress = Progress::get();
+  {
+    std::lock_guard<std::mutex> lock(progress.ccl_mutex());
+    try {
+      issue(comm_->get(), work->events);
+    } catch (const std::exception& e) {
+      if (!work->events.empty()) {
+        // Part of the op is in flight: peers and buffers are in an unknown state.
+        comm_->mark_broken(std::string("a multi-part ") + call.op.name + " failed halfway");
+        progress.track(work);
+      }
+      C10_THROW_ERROR(
+          DistBackendError,
+          std::string("ccl ") + call.op.name + ": oneCCL rejected the call: " + e.what());
+    }
+    progress.track(work);
+  }
+  if (coalescing_) {
+    coalesced_.push_back(work);
+  }
+  return work;
+}
+
+void ProcessGroupCCL::startCoalescing() {
+  TORCH_CHECK(!coalescing_, "ccl: startCoalescing called twice without endCoalescing");
+  coalescing_ = true;
+  coalesced_.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::endCoalescing() {
+  TORCH_CHECK(coalescing_, "ccl: endCoalescing called without startCoalescing");
+  coalescing_ = false;
+  auto parts = std::move(coalesced_);
+  coalesced_.clear();
+  std::vector<at::Tensor> outputs;
+  for (const auto& part : parts) {
+    auto r = part->result();
+    outputs.insert(outputs.end(), r.begin(), r.end());
+  }
+  auto work = c10::make_intrusive<WorkCCL>(kCoalesced, comm_, std::vector<at::Tensor>{}, outputs, timeout_);
+  work->parts = std::move(parts);
+  std::lock_guard<std::mutex> lock(Progress::get().ccl_mutex());
+  Progress::get().track(work);
+  return work;
+}
+
+// ---- reductions ------------------------------------------------------------
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allreduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts) {
+  const char* op = kAllreduce.name;
+  at::Tensor t = single(op, tensors, /*dense_ok=*/true);
+  auto red = resolve_reduction(op, opts.reduceOp, t.scalar_type());
+  red.scale_inplace(t);
+  const int size = getSize();
+  Call call{kAllreduce, pick_timeout(opts.timeout, timeout_), {t}, {t}};
+  if (red.needs_finish()) {
+    call.on_success = [red, t, size]() mutable { red.finish(t, size); };
+  }
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    events.push_back(ccl::allreduce(
+        ptr(t), ptr(t), red.count(t), red.dtype, red.op, comm, red.allreduce_attr()));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceCoalescedOptions& opts) {
+  const char* op = kAllreduceCoalesced.name;
+  TORCH_CHECK_VALUE(!tensors.empty(), "ccl ", op, ": got no tensors");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    check_tensor(op, tensors[i], "tensors[" + std::to_string(i) + "]");
+    check_same_dtype(op, tensors[i], tensors[0], "tensors[" + std::to_string(i) + "]");
+  }
+  auto red = resolve_reduction(op, opts.reduceOp, tensors[0].scalar_type());
+  // One oneCCL call on a flat copy: one latency instead of one per tensor.
+  at::Tensor flat = flatten_copy(tensors);
+  red.scale_inplace(flat);
+  const int size = getSize();
+  Call call{kAllreduceCoalesced, pick_timeout(opts.timeout, timeout_), tensors, tensors, {flat}};
+  call.on_success = [red, flat, outs = tensors, size]() mutable {
+    red.finish(flat, size);
+    unflatten_into(flat, outs);
+  };
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    events.push_back(ccl::allreduce(
+        ptr(flat), ptr(flat), red.count(flat), red.dtype, red.op, comm, red.allreduce_attr()));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::ReduceOptions& opts) {
+  const char* op = kReduce.name;
+  at::Tensor t = single(op, tensors, /*dense_ok=*/true);
+  check_rank(op, "root rank", opts.rootRank, getSize());
+  auto red = resolve_reduction(op, opts.reduceOp, t.scalar_type());
+  const int root = static_cast<int>(opts.rootRank);
+  const bool is_root = getRank() == root;
+  const int size = getSize();
+  // Non-roots keep their input intact: oneCCL writes partial sums into the
+  // receive buffer of every rank, so they reduce from and into scratch.
+  at::Tensor src = t;
+  if (!is_root && (red.premul || red.allreduce_only())) {
+    src = t.clone();
+  }
+  red.scale_inplace(src);
+  at::Tensor dst = is_root ? t : (red.allreduce_only() ? src : at::empty_like(t));
+  Call call{kReduce, pick_timeout(opts.timeout, timeout_), {t}, {t}, {src, dst}};
+  if (is_root && red.needs_finish()) {
+    call.on_success = [red, t, size]() mutable { red.finish(t, size); };
+  }
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    if (red.allreduce_only()) {
+      events.push_back(ccl::allreduce(
+          ptr(dst), ptr(dst), red.count(dst), red.dtype, red.op, comm, red.allreduce_attr()));
+    } else {
+      events.push_back(
+          ccl::reduce(ptr(src), ptr(dst), red.count(t), red.dtype, red.op, root, comm));
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::_reduce_scatter_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::ReduceScatterOptions& opts) {
+  std::vector<at::Tensor> outputs{output}, inputs{input};
+  return reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const int size = getSize();
+  const int rank = getRank();
+  const OpInfo& info = check_pairs(
+      kReduceScatterBase, kReduceScatterTensorCoalesced, outputs, inputs, size,
+      /*output_is_larger=*/false);
+  const char* op = info.name;
+  std::vector<Reduction> reds;
+  std::vector<at::Tensor> sends;
+  for (const auto& in : inputs) {
+    auto red = resolve_reduction(op, opts.reduceOp, in.scalar_type());
+    at::Tensor send = in;
+    if (red.premul || red.allreduce_only()) {
+      send = in.clone(); // the caller's input stays untouched
+      red.scale_inplace(send);
+    }
+    sends.push_back(send);
+    reds.push_back(std::move(red));
+  }
+  Call call{info, pick_timeout(opts.timeout, timeout_), inputs, outputs, sends};
+  call.on_success = [reds, sends, outs = outputs, size, rank]() mutable {
+    for (size_t i = 0; i < outs.size(); ++i) {
+      if (reds[i].allreduce_only()) {
+        const auto n = outs[i].numel();
+        outs[i].view({-1}).copy_(sends[i].reshape({-1}).narrow(0, rank * n, n));
+      }
+      reds[i].finish(outs[i], size);
+    }
+  };
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      const auto& red = reds[i];
+      if (red.allreduce_only()) {
+        events.push_back(ccl::allreduce(
+            ptr(sends[i]), ptr(sends[i]), red.count(sends[i]), red.dtype, red.op, comm,
+            red.allreduce_attr()));
+      } else {
+        events.push_back(ccl::reduce_scatter(
+            ptr(sends[i]), ptr(outputs[i]), red.count(outputs[i]), red.dtype, red.op, comm));
+      }
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const char* op = kReduceScatter.name;
+  at::Tensor out = single(op, outputs);
+  TORCH_CHECK_VALUE(
+      inputs.size() == 1, "ccl ", op, ": expected one input list, got ", inputs.size());
+  check_list(op, inputs[0], out, getSize(), "input_list");
+  const int size = getSize();
+  const int rank = getRank();
+  auto red = resolve_reduction(op, opts.reduceOp, out.scalar_type());
+  bool even = true;
+  for (const auto& t : inputs[0]) {
+    even = even && t.numel() == inputs[0][0].numel();
+  }
+  TORCH_CHECK_VALUE(
+      inputs[0][rank].numel() == out.numel(), "ccl ", op, ": output has ", out.numel(),
+      " elements but input_list[", rank, "] (this rank's share) has ", inputs[0][rank].numel());
+  at::Tensor flat = flatten_copy(inputs[0]);
+  red.scale_inplace(flat);
+  // Uneven shares have no oneCCL primitive: reduce everything, keep ours.
+  const bool via_allreduce = red.allreduce_only() || !even;
+  int64_t offset = 0;
+  for (int r = 0; r < rank; ++r) {
+    offset += inputs[0][r].numel();
+  }
+  Call call{kReduceScatter, pick_timeout(opts.timeout, timeout_), inputs[0], {out}, {flat}};
+  call.on_success = [red, flat, out, size, offset, via_allreduce]() mutable {
+    if (via_allreduce) {
+      out.view({-1}).copy_(flat.narrow(0, offset, out.numel()));
+    }
+    red.finish(out, size);
+  };
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    if (via_allreduce) {
+      events.push_back(ccl::allreduce(
+          ptr(flat), ptr(flat), red.count(flat), red.dtype, red.op, comm, red.allreduce_attr()));
+    } else {
+      events.push_back(
+          ccl::reduce_scatter(ptr(flat), ptr(out), red.count(out), red.dtype, red.op, comm));
+    }
+  });
+}
+
+// ---- data movement (bytes, so every dtype works) ----------------------------
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::broadcast(
+    std::vector<at::Tensor>& tensors,
+    const c10d::BroadcastOptions& opts) {
+  const char* op = kBroadcast.name;
+  at::Tensor t = single(op, tensors, /*dense_ok=*/true);
+  check_rank(op, "root rank", opts.rootRank, getSize());
+  const int root = static_cast<int>(opts.rootRank);
+  Call call{kBroadcast, pick_timeout(opts.timeout, timeout_), {t}, {t}};
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    events.push_back(ccl::broadcast(ptr(t), nbytes(t), kByteType, root, comm));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  single(kAllgather.name, inputs);
+  TORCH_CHECK_VALUE(
+      outputs.size() == 1, "ccl allgather: expected one output list, got ", outputs.size());
+  return allgather_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const bool single_op = inputs.size() == 1;
+  const OpInfo& info = single_op ? kAllgather : kAllgatherCoalesced;
+  const char* op = info.name;
+  TORCH_CHECK_VALUE(
+      !inputs.empty() && outputs.size() == inputs.size(), "ccl ", op, ": got ", outputs.size(),
+      " output lists for ", inputs.size(), " inputs; expected one list per input");
+  const int rank = getRank();
+  std::vector<at::Tensor> flat_outputs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(op, inputs[i], "input");
+    check_list(op, outputs[i], inputs[i], getSize(), "output_tensor_list");
+    TORCH_CHECK_VALUE(
+        outputs[i][rank].numel() == inputs[i].numel(), "ccl ", op, ": output_tensor_list[",
+        rank, "] (this rank's slot) has ", outputs[i][rank].numel(),
+        " elements but the input has ", inputs[i].numel());
+    flat_outputs.insert(flat_outputs.end(), outputs[i].begin(), outputs[i].end());
+  }
+  Call call{info, pick_timeout(opts.timeout, timeout_), inputs, flat_outputs};
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      // Per-rank counts: uneven sizes gather straight into each output.
+      std::vector<void*> recv;
+      for (const auto& t : outputs[i]) {
+        recv.push_back(ptr(t));
+      }
+      events.push_back(ccl::allgatherv(
+          ptr(inputs[i]), nbytes(inputs[i]), recv, byte_counts(outputs[i]), kByteType, comm));
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::_allgather_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::AllgatherOptions& opts) {
+  std::vector<at::Tensor> outputs{output}, inputs{input};
+  return allgather_into_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const int size = getSize();
+  const OpInfo& info = check_pairs(
+      kAllgatherBase, kAllgatherIntoTensorCoalesced, outputs, inputs, size,
+      /*output_is_larger=*/true);
+  Call call{info, pick_timeout(opts.timeout, timeout_), inputs, outputs};
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      std::vector<size_t> counts(size, nbytes(inputs[i]));
+      events.push_back(ccl::allgatherv(
+          ptr(inputs[i]), nbytes(inputs[i]), ptr(outputs[i]), counts, kByteType, comm));
+    }
+  });
+}
+
+// gather, scatter and the list alltoall all run as one alltoallv: a
+// collective, so they never match a user's pending send/recv by mistake.
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::gather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  const char* op = kGather.name;
+  const at::Tensor& in = single(op, inputs);
+  const int size = getSize();
+  check_rank(op, "root rank", opts.rootRank, size);
+  const int root = static_cast<int>(opts.rootRank);
+  const bool is_root = getRank() == root;
+  std::vector<size_t> send_counts(size, 0), recv_counts(size, 0);
+  send_counts[root] = nbytes(in);
+  at::Tensor flat;
+  std::vector<at::Tensor> outs;
+  if (is_root) {
+    TORCH_CHECK_VALUE(
+        outputs.size() == 1, "ccl ", op, ": the root expects one gather_list, got ", outputs.size());
+    check_list(op, outputs[0], in, size, "gather_list");
+    TORCH_CHECK_VALUE(
+        outputs[0][root].numel() == in.numel(), "ccl ", op, ": gather_list[", root,
+        "] has ", outputs[0][root].numel(), " elements but the input has ", in.numel());
+    outs = outputs[0];
+    recv_counts = byte_counts(outs);
+    flat = at::empty({static_cast<int64_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0}))}, in.options().dtype(at::kByte));
+  } else {
+    TORCH_CHECK_VALUE(
+        outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), "ccl ", op,
+        ": only the root (rank ", root, ") passes a gather_list");
+    flat = at::empty({0}, in.options().dtype(at::kByte));
+  }
+  Call call{kGather, pick_timeout(opts.timeout, timeout_), {in}, outs, {flat}};
+  if (is_root) {
+    call.on_success = [flat, outs]() mutable {
+      int64_t offset = 0;
+      for (auto& t : outs) {
+        const auto n = static_cast<int64_t>(nbytes(t));
+        as_bytes(t).copy_(flat.narrow(0, offset, n));
+        offset += n;
+      }
+    };
+  }
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    events.push_back(
+        ccl::alltoallv(ptr(in), send_counts, ptr(flat), recv_counts, kByteType, comm));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  const char* op = kScatter.name;
+  at::Tensor out = single(op, outputs);
+  const int size = getSize();
+  check_rank(op, "root rank", opts.rootRank, size);
+  const int root = static_cast<int>(opts.rootRank);
+  const bool is_root = getRank() == root;
+  std::vector<size_t> send_counts(size, 0), recv_counts(size, 0);
+  recv_counts[root] = nbytes(out);
+  at::Tensor flat;
+  std::vector<at::Tensor> ins;
+  if (is_root) {
+    TORCH_CHECK_VALUE(
+        inputs.size() == 1, "ccl ", op, ": the root expects one scatter_list, got ", inputs.size());
+    check_list(op, inputs[0], out, size, "scatter_list");
+    TORCH_CHECK_VALUE(
+        inputs[0][root].numel() == out.numel(), "ccl ", op, ": scatter_list[", root,
+        "] has ", inputs[0][root].numel(), " elements but the output has ", out.numel());
+    ins = inputs[0];
+    send_counts = byte_counts(ins);
+    std::vector<at::Tensor> bytes;
+    for (const auto& t : ins) {
+      bytes.push_back(as_bytes(t));
+    }
+    flat = at::cat(bytes);
+  } else {
+    TORCH_CHECK_VALUE(
+        inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), "ccl ", op,
+        ": only the root (rank ", root, ") passes a scatter_list");
+    flat = at::empty({0}, out.options().dtype(at::kByte));
+  }
+  Call call{kScatter, pick_timeout(opts.timeout, timeout_), ins, {out}, {flat}};
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    events.push_back(
+        ccl::alltoallv(ptr(flat), send_counts, ptr(out), recv_counts, kByteType, comm));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::alltoall_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    std::vector<int64_t>& output_split_sizes,
+    std::vector<int64_t>& input_split_sizes,
+    const c10d::AllToAllOptions& opts) {
+  const char* op = kAlltoallBase.name;
+  check_tensor(op, input, "input");
+  check_tensor(op, output, "output");
+  check_same_dtype(op, output, input, "output");
+  const int size = getSize();
+  // Splits count rows along dim 0; oneCCL counts bytes.
+  auto counts = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what) {
+    const int64_t rows = t.dim() > 0 ? t.size(0) : 1;
+    const size_t row_bytes = rows > 0 ? nbytes(t) / rows : 0;
+    std::vector<size_t> out(size);
+    if (splits.empty()) {
+      TORCH_CHECK_VALUE(
+          rows % size == 0, "ccl ", op, ": ", what, " has ", rows,
+          " rows in dim 0, not divisible by the group size ", size, "; pass split sizes");
+      std::fill(out.begin(), out.end(), row_bytes * (rows / size));
+      return out;
+    }
+    TORCH_CHECK_VALUE(
+        static_cast<int>(splits.size()) == size, "ccl ", op, ": ", what, " split sizes have ",
+        splits.size(), " entries; expected one per rank (", size, ")");
+    int64_t total = 0;
+    for (int r = 0; r < size; ++r) {
+      TORCH_CHECK_VALUE(splits[r] >= 0, "ccl ", op, ": ", what, " split size ", splits[r], " is negative");
+      total += splits[r];
+      out[r] = row_bytes * splits[r];
+    }
+    TORCH_CHECK_VALUE(
+        total == rows, "ccl ", op, ": ", what, " split sizes add up to ", total, " but dim 0 has ",
+        rows, " rows");
+    return out;
+  };
+  auto send_counts = counts(input, input_split_sizes, "input");
+  auto recv_counts = counts(output, output_split_sizes, "output");
+  Call call{kAlltoallBase, pick_timeout(opts.timeout, timeout_), {input}, {output}};
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    events.push_back(
+        ccl::alltoallv(ptr(input), send_counts, ptr(output), recv_counts, kByteType, comm));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::alltoall(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllToAllOptions& opts) {
+  const char* op = kAlltoall.name;
+  const int size = getSize();
+  TORCH_CHECK_VALUE(
+      static_cast<int>(inputs.size()) == size, "ccl ", op, ": input_tensor_list has ",
+      inputs.size(), " tensors; expected one per rank (", size, ")");
+  check_list(op, inputs, inputs[0], size, "input_tensor_list");
+  check_list(op, outputs, inputs[0], size, "output_tensor_list");
+  auto send_counts = byte_counts(inputs);
+  auto recv_counts = byte_counts(outputs);
+  std::vector<at::Tensor> bytes;
+  for (const auto& t : inputs) {
+    bytes.push_back(as_bytes(t));
+  }
+  at::Tensor send = at::cat(bytes);
+  at::Tensor recv = at::empty(
+      {static_cast<int64_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0}))},
+      send.options());
+  Call call{kAlltoall, pick_timeout(opts.timeout, timeout_), inputs, outputs, {send, recv}};
+  call.on_success = [recv, outs = outputs]() mutable {
+    int64_t offset = 0;
+    for (auto& t : outs) {
+      const auto n = static_cast<int64_t>(nbytes(t));
+      as_bytes(t).copy_(recv.narrow(0, offset, n));
+      offset += n;
+    }
+  };
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    events.push_back(
+        ccl::alltoallv(ptr(send), send_counts, ptr(recv), recv_counts, kByteType, comm));
+  });
+}
+
+// ---- point to point and barrier ----------------------------------------------
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::send(
+    std::vector<at::Tensor>& tensors,
+    int dst_rank,
+    int /*tag: oneCCL matches by peer and order*/) {
+  const char* op = kSend.name;
+  at::Tensor t = single(op, tensors, /*dense_ok=*/true);
+  check_rank(op, "destination rank", dst_rank, getSize());
+  TORCH_CHECK_VALUE(dst_rank != getRank(), "ccl send: a rank cannot send to itself (rank ", dst_rank, ")");
+  Call call{kSend, timeout_, {t}, {t}};
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    events.push_back(ccl::send(ptr(t), nbytes(t), kByteType, dst_rank, comm));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::recv(
+    std::vector<at::Tensor>& tensors,
+    int src_rank,
+    int /*tag*/) {
+  const char* op = kRecv.name;
+  at::Tensor t = single(op, tensors, /*dense_ok=*/true);
+  check_rank(op, "source rank", src_rank, getSize());
+  TORCH_CHECK_VALUE(src_rank != getRank(), "ccl recv: a rank cannot receive from itself (rank ", src_rank, ")");
+  Call call{kRecv, timeout_, {t}, {t}};
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    events.push_back(ccl::recv(ptr(t), nbytes(t), kByteType, src_rank, comm));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::recvAnysource(
+    std::vector<at::Tensor>& /*tensors*/,
+    int /*tag*/) {
+  TORCH_CHECK_VALUE(
+      false,
+      "ccl recv: receiving from any source (src=None) is not supported: oneCCL has no wildcard "
+      "receive. Pass the sender's rank as src.");
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::barrier(const c10d::BarrierOptions& opts) {
+  Call call{kBarrier, pick_timeout(opts.timeout, timeout_), {}, {}};
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    events.push_back(ccl::barrier(comm));
+  });
+}
+
+} // namespace oneccl_bind_pt

@@ -1,0 +1,189 @@
+#include "reduce_ops.hpp"
+
+#include "dtypes.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <functional>
+
+namespace oneccl_bind_pt {
+
+namespace {
+
+// oneCCL calls these with `in` and `inout` holding `n` elements of `dt`.
+template <template <class> class Op>
+void bitwise_kernel(
+    const void* in,
+    size_t n,
+    void* inout,
+    size_t* out_n,
+    ccl::datatype dt,
+    const ccl::fn_context* /*ctx*/) {
+  auto apply = [&](auto* typed_inout) {
+    using T = std::remove_pointer_t<decltype(typed_inout)>;
+    const T* a = static_cast<const T*>(in);
+    Op<T> op;
+    for (size_t i = 0; i < n; ++i) {
+      typed_inout[i] = op(typed_inout[i], a[i]);
+    }
+  };
+  switch (dt) {
+    case ccl::datatype::int8: apply(static_cast<int8_t*>(inout)); break;
+    case ccl::datatype::uint8: apply(static_cast<uint8_t*>(inout)); break;
+    case ccl::datatype::int16: apply(static_cast<int16_t*>(inout)); break;
+    case ccl::datatype::int32: apply(static_cast<int32_t*>(inout)); break;
+    case ccl::datatype::int64: apply(static_cast<int64_t*>(inout)); break;
+    default: break; // resolve_reduction admits integer types only
+  }
+  if (out_n) {
+    *out_n = n;
+  }
+}
+
+bool is_integer(at::ScalarType t) {
+  return at::isIntegralType(t, /*includeBool=*/false);
+}
+
+} // namespace
+
+std::string dtype_name(at::ScalarType t) {
+  return "torch." + std::string(c10::getDtypeNames(t).first);
+}
+
+const char* reduce_op_name(c10d::ReduceOp::RedOpType op) {
+  switch (op) {
+    case c10d::ReduceOp::SUM: return "SUM";
+    case c10d::ReduceOp::AVG: return "AVG";
+    case c10d::ReduceOp::PRODUCT: return "PRODUCT";
+    case c10d::ReduceOp::MIN: return "MIN";
+    case c10d::ReduceOp::MAX: return "MAX";
+    case c10d::ReduceOp::BAND: return "BAND";
+    case c10d::ReduceOp::BOR: return "BOR";
+    case c10d::ReduceOp::BXOR: return "BXOR";
+    case c10d::ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
+    default: return "UNKNOWN";
+  }
+}
+
+void Reduction::scale_inplace(at::Tensor& t) const {
+  if (!premul) {
+    return;
+  }
+  if (premul_tensor.defined()) {
+    t.mul_(premul_tensor);
+  } else {
+    t.mul_(premul_scalar);
+  }
+}
+
+void Reduction::finish(at::Tensor& t, int group_size) const {
+  if (!average) {
+    return;
+  }
+  if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
+    t.div_(group_size, "trunc");
+  } else {
+    t.div_(group_size);
+  }
+}
+
+ccl::allreduce_attr Reduction::allreduce_attr() const {
+  auto attr = ccl::create_operation_attr<ccl::allreduce_attr>();
+  if (custom_fn) {
+    attr.set<ccl::allreduce_attr_id::reduction_fn>(custom_fn);
+  }
+  return attr;
+}
+
+Reduction resolve_reduction(
+    const char* op_name,
+    const c10d::ReduceOp& op,
+    at::ScalarType dtype) {
+  const auto kind = op.op_;
+  const char* rop = reduce_op_name(kind);
+  auto ccl_type = reduction_dtype(dtype);
+  TORCH_CHECK_TYPE(
+      ccl_type.has_value(),
+      "ccl ", op_name, ": cannot reduce tensors of dtype ", dtype_name(dtype),
+      "; reductions accept ", kReducibleDtypes);
+
+  Reduction r;
+  r.dtype = *ccl_type;
+  const bool is_bool = dtype == at::kBool;
+  const bool is_complex = at::isComplexType(dtype);
+  const bool is_float = at::isFloatingType(dtype);
+
+  auto reject = [&](const char* accepted) {
+    TORCH_CHECK_VALUE(
+        false, "ccl ", op_name, ": ReduceOp.", rop, " is not supported for ",
+        dtype_name(dtype), " tensors; ", accepted);
+  };
+
+  if (is_complex) {
+    r.items_per_element = 2;
+    if (kind != c10d::ReduceOp::SUM && kind != c10d::ReduceOp::AVG &&
+        kind != c10d::ReduceOp::PREMUL_SUM) {
+      reject("complex tensors accept SUM, AVG and PREMUL_SUM");
+    }
+  }
+
+  switch (kind) {
+    case c10d::ReduceOp::SUM:
+      r.op = is_bool ? ccl::reduction::max : ccl::reduction::sum; // bool: logical or
+      break;
+    case c10d::ReduceOp::PRODUCT:
+      r.op = is_bool ? ccl::reduction::min : ccl::reduction::prod; // bool: logical and
+      break;
+    case c10d::ReduceOp::MIN:
+      r.op = ccl::reduction::min;
+      break;
+    case c10d::ReduceOp::MAX:
+      r.op = ccl::reduction::max;
+      break;
+    case c10d::ReduceOp::AVG:
+      if (is_bool) {
+        reject("AVG accepts floating point, complex and integer tensors");
+      }
+      r.op = ccl::reduction::sum;
+      r.average = true;
+      break;
+    case c10d::ReduceOp::PREMUL_SUM: {
+      if (!is_float && !is_complex) {
+        reject("PREMUL_SUM accepts floating point and complex tensors");
+      }
+      auto* supplement =
+          dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+      TORCH_CHECK_VALUE(
+          supplement != nullptr, "ccl ", op_name,
+          ": ReduceOp.PREMUL_SUM carries no factor; build it with "
+          "torch.distributed._make_nccl_premul_sum(factor)");
+      r.op = ccl::reduction::sum;
+      r.premul = true;
+      if (supplement->tensor_factor.defined()) {
+        r.premul_tensor = supplement->tensor_factor;
+      } else {
+        r.premul_scalar = supplement->double_factor;
+      }
+      break;
+    }
+    case c10d::ReduceOp::BAND:
+    case c10d::ReduceOp::BOR:
+    case c10d::ReduceOp::BXOR:
+      if (!is_integer(dtype) && !is_bool) {
+        reject("BAND, BOR and BXOR accept integer and bool tensors");
+      }
+      r.op = ccl::reduction::custom;
+      r.custom_fn = kind == c10d::ReduceOp::BAND ? &bitwise_kernel<std::bit_and>
+          : kind == c10d::ReduceOp::BOR          ? &bitwise_kernel<std::bit_or>
+                                                 : &bitwise_kernel<std::bit_xor>;
+      break;
+    default:
+      TORCH_CHECK_VALUE(
+          false, "ccl ", op_name, ": unsupported reduce op ", rop,
+          "; expected one of SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM");
+  }
+  return r;
+}
+
+} // namespace oneccl_bind_pt

@@ -1,0 +1,48 @@
+// Op table: what oneCCL runs for a c10d ReduceOp on a given dtype, and what
+// the backend does around the call (pre-scaling, averaging, bitwise kernels).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <oneapi/ccl.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <optional>
+#include <string>
+
+namespace oneccl_bind_pt {
+
+struct Reduction {
+  ccl::datatype dtype = ccl::datatype::float32;
+  ccl::reduction op = ccl::reduction::sum;
+  // Bitwise ops run as a custom reduction function. oneCCL accepts custom
+  // functions for allreduce only, so reduce/reduce_scatter go through allreduce.
+  ccl::reduction_fn custom_fn = nullptr;
+  int64_t items_per_element = 1; // complex values reduce as (re, im) pairs
+  bool average = false;          // AVG: oneCCL's CPU path has none; SUM then divide
+  bool premul = false;           // PREMUL_SUM: scale inputs, then SUM
+  double premul_scalar = 1.0;
+  at::Tensor premul_tensor;
+
+  bool allreduce_only() const { return custom_fn != nullptr; }
+  size_t count(const at::Tensor& t) const {
+    return static_cast<size_t>(t.numel() * items_per_element);
+  }
+  // Applies the PREMUL_SUM factor to a buffer the backend owns or may overwrite.
+  void scale_inplace(at::Tensor& t) const;
+  // Applies AVG's division to a result.
+  void finish(at::Tensor& t, int group_size) const;
+  bool needs_finish() const { return average; }
+  ccl::allreduce_attr allreduce_attr() const;
+};
+
+// Resolves op x dtype for collective `op_name`; throws a ValueError/TypeError
+// naming the op, the reduce op, the dtype and what is accepted instead.
+Reduction resolve_reduction(
+    const char* op_name,
+    const c10d::ReduceOp& op,
+    at::ScalarType dtype);
+
+std::string dtype_name(at::ScalarType t);
+const char* reduce_op_name(c10d::ReduceOp::RedOpType op);
+
+} // namespace oneccl_bind_pt

@@ -1,0 +1,94 @@
+#include "rendezvous.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace oneccl_bind_pt {
+
+namespace {
+
+constexpr const char* kAddressKey = "oneccl/kvs_address";
+constexpr const char* kArrivedCounter = "oneccl/arrived";
+constexpr const char* kAllArrivedKey = "oneccl/all_arrived";
+
+std::string arrived_key(int rank) {
+  return "oneccl/arrived/" + std::to_string(rank);
+}
+
+// Ranks whose arrival key is absent: only computed on the error path.
+std::string missing_ranks(c10d::Store& store, int size) {
+  std::ostringstream out;
+  int shown = 0;
+  for (int r = 0; r < size; ++r) {
+    if (!store.check({arrived_key(r)})) {
+      if (shown++ == 16) {
+        out << ", ...";
+        break;
+      }
+      out << (shown > 1 ? ", " : "") << r;
+    }
+  }
+  return shown ? out.str() : std::string("none (they arrived just now)");
+}
+
+[[noreturn]] void fail(const std::string& what) {
+  C10_THROW_ERROR(DistBackendError, "ccl rendezvous: " + what);
+}
+
+} // namespace
+
+std::shared_ptr<ccl::kvs> rendezvous(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout) {
+  const auto seconds = std::to_string(timeout.count() / 1000.0);
+  std::shared_ptr<ccl::kvs> kvs;
+  try {
+    if (rank == 0) {
+      kvs = ccl::create_main_kvs();
+      auto address = kvs->get_address();
+      store->set(kAddressKey, std::vector<uint8_t>(address.begin(), address.end()));
+    }
+  } catch (const ccl::exception& e) {
+    fail(std::string("rank 0 could not open oneCCL's key-value store: ") + e.what() +
+         " (CCL_KVS_IFACE / CCL_KVS_IP_EXCHANGE choose its network interface)");
+  }
+
+  // Everybody announces itself, so a timeout can say who never came.
+  store->set(arrived_key(rank), std::vector<uint8_t>{1});
+  if (store->add(kArrivedCounter, 1) == size) {
+    store->set(kAllArrivedKey, std::vector<uint8_t>{1});
+  }
+  try {
+    store->wait({kAllArrivedKey, kAddressKey}, timeout);
+  } catch (const c10::Error&) {
+    fail("rank " + std::to_string(rank) + " waited " + seconds +
+         " s for the other ranks of this process group (size " + std::to_string(size) +
+         "); missing ranks: " + missing_ranks(*store, size) +
+         ". Every rank must create the group (init_process_group / new_group) "
+         "and none may have exited.");
+  }
+
+  if (rank != 0) {
+    auto bytes = store->get(kAddressKey);
+    ccl::kvs::address_type address{};
+    TORCH_CHECK(
+        bytes.size() == address.size(), "ccl rendezvous: KVS address has ",
+        bytes.size(), " bytes, expected ", address.size(),
+        " (ranks built against different oneCCL versions?)");
+    std::copy(bytes.begin(), bytes.end(), reinterpret_cast<uint8_t*>(address.data()));
+    try {
+      kvs = ccl::create_kvs(address);
+    } catch (const ccl::exception& e) {
+      fail(std::string("rank ") + std::to_string(rank) +
+           " could not reach rank 0's oneCCL key-value store: " + e.what());
+    }
+  }
+  return kvs;
+}
+
+} // namespace oneccl_bind_pt

@@ -1,0 +1,24 @@
+// Store rendezvous: the only code that talks to the c10d Store.
+//
+// Rank 0 creates oneCCL's main key-value store (KVS) and publishes its
+// address; the other ranks read it and attach. The Store handed to a backend
+// is already prefixed per process group, so every group has its own keys.
+#pragma once
+
+#include <oneapi/ccl.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+
+namespace oneccl_bind_pt {
+
+// Returns this rank's handle on the group's KVS once every rank of the group
+// has arrived; throws DistBackendError naming the missing ranks on timeout.
+std::shared_ptr<ccl::kvs> rendezvous(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout);
+
+} // namespace oneccl_bind_pt

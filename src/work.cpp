@@ -1,0 +1,313 @@
+#include "work.hpp"
+
+#include <ATen/record_function.h>
+#include <c10/util/Exception.h>
+
+#include <numeric>
+
+namespace oneccl_bind_pt {
+
+namespace {
+
+std::exception_ptr backend_error(const std::string& msg) {
+  try {
+    C10_THROW_ERROR(DistBackendError, msg);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+int64_t total_numel(const std::vector<at::Tensor>& tensors) {
+  int64_t n = 0;
+  for (const auto& t : tensors) {
+    n += t.defined() ? t.numel() : 0;
+  }
+  return n;
+}
+
+// Profiler rows cost an allocation per op: only pay it while a profiler listens.
+bool profiling() {
+  return at::hasCallbacks();
+}
+
+// Spin briefly (results often arrive within microseconds), then yield so an
+// oversubscribed machine can run the peers this op is waiting for.
+void relax(unsigned& spins) {
+  if (++spins > 64) {
+    std::this_thread::yield();
+  }
+}
+
+} // namespace
+
+WorkCCL::WorkCCL(
+    const OpInfo& op,
+    std::shared_ptr<Communicator> comm,
+    const std::vector<at::Tensor>& inputs,
+    std::vector<at::Tensor> outputs,
+    std::chrono::milliseconds timeout)
+    : c10d::Work(
+          comm->rank(),
+          op.type,
+          profiling() ? op.title : nullptr,
+          profiling() ? std::optional<std::vector<at::Tensor>>(inputs) : std::nullopt),
+      op_(op),
+      comm_(std::move(comm)),
+      outputs_(std::move(outputs)),
+      numel_(total_numel(inputs)),
+      timeout_(timeout),
+      deadline_(Clock::now() + timeout) {}
+
+WorkCCL::~WorkCCL() = default;
+
+std::string WorkCCL::describe() const {
+  return std::string(op_.name) + " (rank " + std::to_string(comm_->rank()) + " of " +
+      std::to_string(comm_->size()) + ", " + std::to_string(numel_) + " elements)";
+}
+
+bool WorkCCL::poll_locked(Clock::time_point now) {
+  if (!parts.empty()) {
+    for (const auto& part : parts) {
+      if (!part->done_.load(std::memory_order_acquire)) {
+        return false; // each part enforces its own deadline
+      }
+    }
+    for (const auto& part : parts) {
+      if (auto e = part->exception()) {
+        error_ = e;
+        break;
+      }
+    }
+    return true;
+  }
+  try {
+    while (next_event_ < events.size()) {
+      if (!events[next_event_].test()) {
+        break;
+      }
+      ++next_event_;
+    }
+    if (next_event_ == events.size()) {
+      return true;
+    }
+  } catch (const std::exception& e) {
+    const auto msg = "ccl " + describe() + ": oneCCL failed while running it: " + e.what() +
+        ". The process group can no longer be used.";
+    comm_->mark_broken(msg);
+    error_ = backend_error(msg);
+    expired_ = true;
+    return true;
+  }
+  if (now > deadline_) {
+    const auto msg = "ccl " + describe() + " did not complete within " +
+        std::to_string(timeout_.count()) +
+        " ms: a peer may have died, hung, or called a different collective. "
+        "The process group can no longer be used; destroy it and create a new one.";
+    comm_->mark_broken(msg);
+    error_ = backend_error(msg);
+    expired_ = true;
+    return true;
+  }
+  return false;
+}
+
+void WorkCCL::complete() {
+  std::exception_ptr error = error_;
+  if (!error && on_success) {
+    try {
+      on_success();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  on_success = nullptr;
+  parts.clear();
+  if (!expired_) {
+    // oneCCL is done with these; an expired op keeps them, as it may not be.
+    events.clear();
+    buffers.clear();
+  }
+  finish(error);
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  {
+    std::lock_guard<std::mutex> lock(future_mutex_);
+    done_.store(true, std::memory_order_release);
+    future = future_;
+  }
+  if (future) {
+    // Created before completion, so getFuture() counted it as watched.
+    Progress::get().unwatch_future();
+    if (error) {
+      future->setError(error);
+    } else {
+      future->markCompleted(c10::IValue(outputs_));
+    }
+  }
+}
+
+bool WorkCCL::isCompleted() {
+  if (!done_.load(std::memory_order_acquire)) {
+    Progress::get().sweep();
+  }
+  return done_.load(std::memory_order_acquire);
+}
+
+bool WorkCCL::isSuccess() const {
+  return done_.load(std::memory_order_acquire) && c10d::Work::isSuccess();
+}
+
+bool WorkCCL::wait(std::chrono::milliseconds timeout) {
+  RECORD_FUNCTION(
+      std::string("pg::wait::") + op_.name + "::sz:" + std::to_string(numel_),
+      std::vector<c10::IValue>());
+  auto& progress = Progress::get();
+  const auto limit = timeout == kNoTimeout ? Clock::time_point::max() : Clock::now() + timeout;
+  if (!done_.load(std::memory_order_acquire)) {
+    progress.waiters.fetch_add(1);
+    unsigned spins = 0;
+    while (!done_.load(std::memory_order_acquire)) {
+      progress.sweep();
+      if (done_.load(std::memory_order_acquire)) {
+        break;
+      }
+      if (Clock::now() > limit) {
+        progress.waiter_left();
+        C10_THROW_ERROR(
+            DistBackendError,
+            "ccl " + describe() + ": wait() timed out after " +
+                std::to_string(timeout.count()) +
+                " ms; the operation is still in flight and may complete later");
+      }
+      relax(spins);
+    }
+    progress.waiter_left();
+  }
+  if (auto e = exception()) {
+    std::rethrow_exception(e);
+  }
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> WorkCCL::getFuture() {
+  bool created_done = false;
+  bool created_pending = false;
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  {
+    std::lock_guard<std::mutex> lock(future_mutex_);
+    if (!future_) {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()));
+      created_done = done_.load(std::memory_order_acquire);
+      created_pending = !created_done;
+    }
+    future = future_;
+  }
+  if (created_done) {
+    if (auto e = exception()) {
+      future->setError(e);
+    } else {
+      future->markCompleted(c10::IValue(outputs_));
+    }
+  } else if (created_pending) {
+    Progress::get().watch_future();
+  }
+  return future;
+}
+
+std::vector<at::Tensor> WorkCCL::result() {
+  return outputs_;
+}
+
+Progress& Progress::get() {
+  // Leaked on purpose: in-flight Works may outlive every static destructor.
+  static Progress* instance = new Progress();
+  return *instance;
+}
+
+void Progress::track(c10::intrusive_ptr<WorkCCL> work) {
+  inflight_.push_back(std::move(work));
+}
+
+void Progress::sweep() {
+  std::vector<c10::intrusive_ptr<WorkCCL>> finished;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (inflight_.empty()) {
+      return;
+    }
+    const auto now = Clock::now();
+    for (size_t i = 0; i < inflight_.size();) {
+      if (inflight_[i]->poll_locked(now)) {
+        if (inflight_[i]->expired_) {
+          abandoned_.push_back(inflight_[i]);
+        }
+        finished.push_back(std::move(inflight_[i]));
+        inflight_.erase(inflight_.begin() + static_cast<std::ptrdiff_t>(i));
+      } else {
+        ++i;
+      }
+    }
+  }
+  for (auto& work : finished) {
+    work->complete();
+  }
+}
+
+void Progress::waiter_left() {
+  if (waiters.fetch_sub(1) == 1 && watched_.load() > 0) {
+    cv_.notify_one();
+  }
+}
+
+void Progress::watch_future() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  watched_.fetch_add(1);
+  if (!background_.joinable() && !stop_) {
+    background_ = std::thread([this] { background_loop(); });
+  }
+  cv_.notify_one();
+}
+
+void Progress::background_loop() {
+  unsigned idle = 0;
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stop_) {
+    if (inflight_.empty() || watched_.load() == 0) {
+      idle = 0;
+      cv_.wait(lock);
+      continue;
+    }
+    if (waiters.load() > 0) {
+      cv_.wait_for(lock, std::chrono::milliseconds(1));
+      continue;
+    }
+    const size_t before = inflight_.size();
+    lock.unlock();
+    sweep();
+    lock.lock();
+    if (inflight_.size() < before) {
+      idle = 0;
+    } else if (++idle > 512) {
+      // Nothing moved for a while (a peer is computing): poll gently so the
+      // compute threads keep the cores. A new Future wakes us at once.
+      cv_.wait_for(lock, std::chrono::microseconds(100));
+    } else {
+      lock.unlock();
+      std::this_thread::yield();
+      lock.lock();
+    }
+  }
+}
+
+void Progress::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (background_.joinable() && background_.get_id() != std::this_thread::get_id()) {
+    background_.join();
+  }
+}
+
+} // namespace oneccl_bind_pt

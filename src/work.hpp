@@ -1,0 +1,125 @@
+// The work object and the progress engine that completes it.
+//
+// A WorkCCL lives through three phases, as ProcessGroupGloo's AsyncWork does:
+//  1. issue: the backend checks and prepares inputs in the caller's thread
+//     and starts non-blocking oneCCL calls, whose events the Work holds;
+//  2. progress: with oneCCL's worker thread off (our default, see
+//     oneccl_bind_pt/_env.py) an operation only advances while someone tests
+//     its event: the thread in wait(), or the background thread of Progress
+//     once a Future was handed out;
+//  3. complete: post-processing runs (copy-out, averaging), then the Work and
+//     its Future are marked done, or failed with the error.
+#pragma once
+
+#include "communicator.hpp"
+
+#include <ATen/core/ivalue.h>
+#include <oneapi/ccl.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace oneccl_bind_pt {
+
+using Clock = std::chrono::steady_clock;
+
+// Names one kind of collective in messages and in the profiler.
+struct OpInfo {
+  c10d::OpType type;
+  const char* name;  // "allreduce", in error messages
+  const char* title; // "pg::allreduce", the profiler row
+};
+
+class WorkCCL : public c10d::Work {
+ public:
+  WorkCCL(
+      const OpInfo& op,
+      std::shared_ptr<Communicator> comm,
+      const std::vector<at::Tensor>& inputs,
+      std::vector<at::Tensor> outputs,
+      std::chrono::milliseconds timeout);
+  ~WorkCCL() override;
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  std::vector<at::Tensor> result() override;
+
+  const OpInfo& op() const { return op_; }
+
+  // Filled while the op is issued (phase 1).
+  std::vector<ccl::event> events;
+  std::vector<at::Tensor> buffers; // memory oneCCL reads or writes, kept alive until done
+  std::function<void()> on_success; // phase 3 post-processing
+  std::vector<c10::intrusive_ptr<WorkCCL>> parts; // a coalesced Work completes with its parts
+
+ private:
+  friend class Progress;
+
+  // Tests outstanding events; true once nothing is in flight any more (done,
+  // failed or expired). Called with Progress's oneCCL lock held.
+  bool poll_locked(Clock::time_point now);
+  // Phase 3; runs without the lock since Future callbacks may issue new ops.
+  void complete();
+  std::string describe() const;
+
+  const OpInfo op_;
+  std::shared_ptr<Communicator> comm_;
+  std::vector<at::Tensor> outputs_;
+  const int64_t numel_;
+  const std::chrono::milliseconds timeout_;
+  const Clock::time_point deadline_;
+  size_t next_event_ = 0;
+  std::exception_ptr error_; // set by poll_locked, consumed by complete
+  bool expired_ = false;
+  std::atomic<bool> done_{false};
+  std::mutex future_mutex_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_; // made on first getFuture()
+};
+
+// Process-wide: one lock around every oneCCL call, the list of in-flight
+// Works, and a background thread that keeps them moving while a Future is
+// outstanding and nobody is blocked in wait().
+class Progress {
+ public:
+  static Progress& get();
+
+  std::mutex& ccl_mutex() { return mutex_; }
+  // Caller holds ccl_mutex().
+  void track(c10::intrusive_ptr<WorkCCL> work);
+  // One pass over every in-flight Work; completes the ones that finished.
+  void sweep();
+  // A Future handed out for an unfinished Work: the background thread keeps
+  // progressing while any is outstanding (its owner may never call wait()).
+  void watch_future();
+  void unwatch_future() { watched_.fetch_sub(1); }
+  void shutdown();
+
+  // Threads inside WorkCCL::wait(); they drive progress themselves.
+  std::atomic<int> waiters{0};
+  void waiter_left();
+
+ private:
+  Progress() = default;
+  void background_loop();
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::vector<c10::intrusive_ptr<WorkCCL>> inflight_;
+  // Works that expired while oneCCL may still use their buffers: never freed.
+  std::vector<c10::intrusive_ptr<WorkCCL>> abandoned_;
+  std::thread background_;
+  std::atomic<int> watched_{0};
+  bool stop_ = false;
+};
+
+} // namespace oneccl_bind_pt

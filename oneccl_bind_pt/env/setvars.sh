@@ -1,0 +1,78 @@
+# shellcheck shell=sh
+# oneccl_bind_pt environment for Intel MPI's mpirun and oneCCL's tools.
+#
+# Source it (bash, zsh, dash), do not run it:
+#     source "$(python -c 'import oneccl_bind_pt as m; print(m.cwd)')/env/setvars.sh"
+#
+# The ccl backend itself needs none of this: `import oneccl_bind_pt` is enough.
+# What it sets, for the environment (venv or conda env) that holds this package:
+#     PATH              += <prefix>/bin      mpirun, mpiexec.hydra, fi_info
+#     I_MPI_ROOT        =  <prefix>          Intel MPI finds its tuning files
+#     CCL_ROOT          =  <prefix>          oneCCL's tools and headers, if installed
+#     FI_PROVIDER_PATH  =  <prefix>/lib      libfabric's providers (only if unset)
+# Sourcing it twice changes nothing more.
+
+_obp_usage() {
+    sed -n '2,15p' "$1" | sed 's/^# \{0,1\}//'
+}
+
+# Where this file is, whichever shell sources it.
+if [ -n "${BASH_SOURCE:-}" ]; then
+    # shellcheck disable=SC3028,SC3054
+    _obp_self="${BASH_SOURCE[0]}"
+elif [ -n "${ZSH_VERSION:-}" ]; then
+    # shellcheck disable=SC2296
+    _obp_self="${(%):-%x}"
+else
+    _obp_self=""
+fi
+
+_obp_executed=0
+if [ -n "${BASH_SOURCE:-}" ]; then
+    # shellcheck disable=SC3028,SC3054
+    [ "${BASH_SOURCE[0]}" = "$0" ] && _obp_executed=1
+elif [ -n "${ZSH_VERSION:-}" ]; then
+    case "${ZSH_EVAL_CONTEXT:-}" in *:file*) ;; *) _obp_executed=1 ;; esac
+else
+    case "$0" in *setvars.sh) _obp_executed=1 ;; esac
+fi
+if [ "$_obp_executed" = 1 ]; then
+    echo "setvars.sh must be sourced, not executed: source $0" >&2
+    exit 1
+fi
+
+if [ -z "$_obp_self" ]; then
+    # dash cannot tell a sourced file its own path: ask the Python on PATH.
+    _obp_self="$(python3 -c 'import oneccl_bind_pt as m; print(m.cwd)' 2>/dev/null)/env/setvars.sh"
+fi
+
+case "${1:-}" in
+    -h|--help)
+        _obp_usage "$_obp_self"
+        unset _obp_self _obp_executed
+        unset -f _obp_usage
+        return 0
+        ;;
+esac
+
+# <prefix>/lib/pythonX.Y/site-packages/oneccl_bind_pt/env/setvars.sh
+_obp_prefix="$(cd "$(dirname "$_obp_self")/../../../../.." 2>/dev/null && pwd)"
+if [ ! -d "$_obp_prefix/lib" ]; then
+    echo "setvars.sh: cannot find the environment prefix from $_obp_self" >&2
+    unset _obp_self _obp_executed _obp_prefix
+    unset -f _obp_usage
+    return 1
+fi
+
+case ":${PATH:-}:" in
+    *":$_obp_prefix/bin:"*) ;;
+    *) export PATH="$_obp_prefix/bin${PATH:+:$PATH}" ;;
+esac
+export I_MPI_ROOT="$_obp_prefix"
+export CCL_ROOT="$_obp_prefix"
+if [ -z "${FI_PROVIDER_PATH:-}" ]; then
+    export FI_PROVIDER_PATH="$_obp_prefix/lib"
+fi
+
+unset _obp_self _obp_executed _obp_prefix
+unset -f _obp_usage

@@ -1,0 +1,145 @@
+"""Asynchronous work, futures, timeouts of wait(), subgroups and interleaved groups."""
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+
+
+def _async_forms(rank, world):
+    expect = world * (world + 1) / 2
+    t = torch.full((8,), float(rank + 1))
+    work = dist.all_reduce(t, async_op=True)
+    assert work.wait()
+    assert work.is_completed() and work.is_success()
+    assert t.tolist() == [expect] * 8
+
+    t = torch.full((8,), float(rank + 1))
+    fut = dist.all_reduce(t, async_op=True).get_future()
+    (value,) = fut.wait()
+    assert value.data_ptr() == t.data_ptr() and t.tolist() == [expect] * 8
+
+    # A chained callback runs on completion, without anyone calling wait().
+    t = torch.full((4,), float(rank + 1))
+    chained = dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    assert chained.wait().tolist() == [2 * expect] * 4
+
+    # Polling is_completed() alone drives the op to the end.
+    t = torch.full((4,), float(rank + 1))
+    work = dist.all_reduce(t, async_op=True)
+    deadline = time.monotonic() + 10
+    while not work.is_completed():
+        assert time.monotonic() < deadline, "is_completed() never turned true"
+    assert t.tolist() == [expect] * 4
+
+    # Many ops in flight, waited in reverse order.
+    ts = [torch.full((16,), float(rank + i)) for i in range(10)]
+    works = [dist.all_reduce(x, async_op=True) for x in ts]
+    for w in reversed(works):
+        w.wait()
+    for i, x in enumerate(ts):
+        assert x.tolist() == [sum(r + i for r in range(world))] * 16
+
+    out = [torch.empty(3) for _ in range(world)]
+    dist.all_gather(out, torch.full((3,), float(rank)), async_op=True).wait()
+    assert [o[0].item() for o in out] == list(range(world))
+    return True
+
+
+def test_async_forms():
+    assert all(run_ranks(_async_forms, 2))
+    assert all(run_ranks(_async_forms, 3))
+
+
+def _wait_timeout(rank, world):
+    t = torch.full((4,), float(rank + 1))
+    if rank == 1:
+        time.sleep(3)  # the peer's wait(timeout) expires meanwhile
+    work = dist.all_reduce(t, async_op=True)
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            work.wait(timeout=datetime.timedelta(milliseconds=300))
+        except dist.DistBackendError as e:
+            waited = time.monotonic() - start
+            assert "allreduce" in str(e) and "timed out" in str(e), str(e)
+            assert 0.25 < waited < 2.0, waited
+        else:
+            raise AssertionError("wait(timeout) did not raise")
+    # The op was left in flight and still completes.
+    work.wait()
+    assert t.tolist() == [3.0] * 4
+    return True
+
+
+def test_wait_timeout_raises_then_op_completes():
+    assert all(run_ranks(_wait_timeout, 2))
+
+
+def _subgroups(rank, world):
+    # world 3: {0, 1} and {1, 2} overlap on rank 1; rank 2 is outside {0, 1}.
+    g01 = dist.new_group([0, 1])
+    g12 = dist.new_group([1, 2])
+    if rank in (0, 1):
+        t = torch.full((2,), float(rank + 1))
+        dist.all_reduce(t, group=g01)
+        assert t.tolist() == [3.0, 3.0]
+        dist.broadcast(t := torch.full((2,), float(rank)), group_src=1, group=g01)
+        assert t.tolist() == [1.0, 1.0]
+    if rank in (1, 2):
+        t = torch.full((2,), float(rank + 1))
+        dist.all_reduce(t, group=g12)
+        assert t.tolist() == [5.0, 5.0]
+        out = torch.empty(4)
+        dist.all_gather_into_tensor(out, torch.full((2,), float(rank)), group=g12)
+        assert out.tolist() == [1.0, 1.0, 2.0, 2.0]
+    # The world group still works beside them.
+    t = torch.full((2,), 1.0)
+    dist.all_reduce(t)
+    assert t.tolist() == [3.0, 3.0]
+    dist.destroy_process_group(g01) if rank in (0, 1) else None
+    dist.destroy_process_group(g12) if rank in (1, 2) else None
+    return True
+
+
+def test_subgroups():
+    assert all(run_ranks(_subgroups, 3))
+
+
+def _interleaved_groups(rank, world):
+    a = dist.new_group(list(range(world)))
+    b = dist.new_group(list(range(world)))
+    for i in range(20):
+        x = torch.full((32,), float(rank + i))
+        y = torch.full((1024,), float(2 * rank + i))
+        wx = dist.all_reduce(x, group=a, async_op=True)
+        wy = dist.all_reduce(y, group=b, async_op=True)
+        # Waited in the opposite order on odd ranks: groups progress independently.
+        for w in ([wx, wy] if rank % 2 == 0 else [wy, wx]):
+            w.wait()
+        assert x[0].item() == sum(r + i for r in range(world))
+        assert y[0].item() == sum(2 * r + i for r in range(world))
+    return True
+
+
+def test_two_groups_interleaved():
+    assert all(run_ranks(_interleaved_groups, 2))
+    assert all(run_ranks(_interleaved_groups, 4))
+
+
+def _direct_backend(rank, world):
+    # torch.distributed.ProcessGroupCCL(store, rank, size, timeout), as torch-ccl offered.
+    store = dist.PrefixStore("direct/", dist.distributed_c10d._get_default_store())
+    pg = dist.ProcessGroupCCL(store, rank, world, datetime.timedelta(seconds=30))
+    assert pg.name() == "ccl" if hasattr(pg, "name") else True
+    t = torch.full((3,), float(rank + 1))
+    pg.allreduce([t]).wait()
+    assert t.tolist() == [world * (world + 1) / 2] * 3
+    return True
+
+
+def test_construct_backend_directly():
+    assert all(run_ranks(_direct_backend, 2))

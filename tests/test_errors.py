@@ -1,0 +1,140 @@
+"""Bad input raises a Python error naming the op and the problem; the group
+stays usable. A collective that cannot complete raises at the group timeout."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from harness import run_ranks
+from matrix import expect_error
+
+
+def _pg():
+    return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+
+
+def _bad_inputs(rank, world):
+    pg = _pg()
+    nc = torch.ones(4, 4)[:, ::2]  # neither contiguous nor dense
+    meta = torch.empty(4, device="meta")
+    cases = {
+        "non-contiguous all_gather input": (
+            lambda: dist.all_gather([torch.empty(4, 2) for _ in range(world)], nc), ["allgather", "not contiguous"]),
+        "non-contiguous all_reduce": (lambda: dist.all_reduce(nc), ["allreduce", "not contiguous"]),
+        # (dist.all_reduce on a meta tensor never reaches a backend: torch's meta kernel answers.)
+        "meta tensor": (lambda: pg.allreduce([meta]).wait(), ["allreduce", "meta", "CPU"]),
+        "meta tensor broadcast": (lambda: pg.broadcast([meta]).wait(), ["broadcast", "meta"]),
+        "output too small": (
+            lambda: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2)), ["all_gather_into_tensor", "elements"]),
+        "reduce_scatter_tensor sizes": (
+            lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * world + 1)),
+            ["reduce_scatter_tensor", "elements"]),
+        "gather list length": (
+            # every rank errs (the root's list is short, the others pass one): an
+            # error on one rank only would leave its peers inside the collective.
+            lambda: pg.gather([[torch.empty(2)]], [torch.ones(2)], dist.GatherOptions()).wait(),
+            ["gather"]),
+        "mixed dtypes all_gather": (
+            lambda: pg.allgather([[torch.empty(2, dtype=torch.int32) for _ in range(world)]], [torch.ones(2)]).wait(),
+            ["allgather", "dtype", "torch.int32", "torch.float32"]),
+        "all_gather slot size": (
+            lambda: dist.all_gather([torch.empty(3) for _ in range(world)], torch.ones(2)), ["allgather", "elements"]),
+        "root out of range": (
+            lambda: _broadcast_root(pg, world),
+            ["broadcast", "out of range"]),
+        "reduce root out of range": (lambda: _reduce_root(pg, -1), ["reduce", "out of range"]),
+        "send to self": (lambda: pg.send([torch.ones(2)], rank, 0).wait(), ["send", "itself"]),
+        "recv peer out of range": (lambda: pg.recv([torch.ones(2)], world, 0).wait(), ["recv", "out of range"]),
+        "bad split sizes": (
+            lambda: dist.all_to_all_single(torch.empty(world), torch.ones(world), [1] * world, [2] * world),
+            ["all_to_all_single", "split sizes"]),
+        "split count": (
+            lambda: dist.all_to_all_single(torch.empty(world), torch.ones(world), None, [world]),
+            ["all_to_all_single", "split sizes"]),
+        "indivisible dim 0": (
+            lambda: dist.all_to_all_single(torch.empty(world + 1), torch.ones(world + 1)),
+            ["all_to_all_single", "divisible"]),
+        "bitwise on float": (lambda: dist.all_reduce(torch.ones(2), op=ReduceOp.BAND), ["allreduce", "BAND", "float32"]),
+        "premul on int": (
+            lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist._make_nccl_premul_sum(2.0)),
+            ["allreduce", "PREMUL_SUM", "int32"]),
+        "unreducible dtype": (
+            lambda: dist.all_reduce(torch.ones(2, dtype=torch.uint16)), ["allreduce", "uint16", "float32"]),
+        "float8 reduce": (
+            lambda: dist.reduce_scatter_tensor(torch.empty(1, dtype=torch.float8_e4m3fn),
+                                               torch.zeros(world, dtype=torch.float8_e4m3fn)),
+            ["reduce_scatter_tensor", "float8"]),
+        "recv from any source": (lambda: dist.recv(torch.empty(2)), ["recv", "any source"]),
+        "monitored_barrier": (lambda: dist.monitored_barrier(), ["monitored_barrier"]),
+    }
+    failures = {}
+    for name, (fn, needles) in cases.items():
+        try:
+            expect_error(fn, *needles)
+        except AssertionError as e:
+            failures[name] = str(e)
+    return failures
+
+
+def _broadcast_root(pg, world):
+    opts = dist.BroadcastOptions()
+    opts.rootRank = world
+    pg.broadcast([torch.ones(2)], opts).wait()
+
+
+def _reduce_root(pg, root):
+    opts = dist.ReduceOptions()
+    opts.rootRank = root
+    pg.reduce([torch.ones(2)], opts).wait()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bad_input_raises_and_group_survives(world):
+    for rank, failures in enumerate(run_ranks(_bad_inputs, world)):
+        assert not failures, f"rank {rank}: {failures}"
+
+
+def _collective_times_out(rank, world):
+    t = torch.ones(4)
+    if rank == 1:
+        time.sleep(8)  # never joins the first all_reduce in time
+        return "slept"
+    start = time.monotonic()
+    try:
+        dist.all_reduce(t)
+    except dist.DistBackendError as e:
+        waited = time.monotonic() - start
+        msg = str(e)
+        assert "allreduce" in msg and "did not complete within 3000 ms" in msg, msg
+        assert 2.5 < waited < 6, waited
+    else:
+        raise AssertionError("all_reduce did not time out")
+    # The group refuses further work instead of mixing up collectives.
+    try:
+        dist.all_reduce(t)
+    except RuntimeError as e:
+        assert "unusable" in str(e), str(e)
+    else:
+        raise AssertionError("a timed-out group accepted new work")
+    return "timed out"
+
+
+def test_group_timeout_raises_instead_of_hanging():
+    assert run_ranks(_collective_times_out, 2, pg_timeout=3) == ["timed out", "slept"]
+
+
+def _dense_layouts(rank, world):
+    # Element-wise ops accept any dense layout (every rank holds the same one).
+    t = (torch.arange(8.0).reshape(2, 4) + rank).t()  # column-major view
+    assert not t.is_contiguous()
+    dist.all_reduce(t)
+    expected = sum(torch.arange(8.0).reshape(2, 4) + r for r in range(world)).t()
+    assert torch.equal(t, expected)
+    return True
+
+
+def test_dense_non_contiguous_all_reduce():
+    assert all(run_ranks(_dense_layouts, 2))

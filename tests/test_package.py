@@ -1,0 +1,112 @@
+"""The installed package: import names, attributes, the torch pin, launcher mapping."""
+
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import oneccl_bind_pt
+from oneccl_bind_pt import _env
+
+
+def test_three_import_names_are_one_module():
+    import oneccl_bindings_for_pytorch
+    import torch_ccl
+
+    assert oneccl_bindings_for_pytorch is oneccl_bind_pt is torch_ccl
+    for name in ("oneccl_bind_pt", "oneccl_bindings_for_pytorch", "torch_ccl"):
+        assert importlib.util.find_spec(name) is not None
+
+
+def test_cwd_version_and_registration():
+    import torch_ccl
+
+    assert oneccl_bind_pt.__version__ == "2.13.0+cpu"
+    assert importlib.metadata.version("oneccl_bind_pt") == "2.13.0+cpu"
+    assert oneccl_bind_pt.cwd == os.path.dirname(torch_ccl.__file__)
+    assert os.path.isfile(os.path.join(oneccl_bind_pt.cwd, "env", "setvars.sh"))
+    assert "ccl" in dist.Backend.backend_list
+    assert dist.ProcessGroupCCL is oneccl_bind_pt.ProcessGroupCCL
+    assert issubclass(dist.ProcessGroupCCL, torch._C._distributed_c10d.Backend)
+
+
+def test_extension_is_self_contained():
+    so = oneccl_bind_pt._C.__file__
+    undefined = subprocess.run(["nm", "-D", "--undefined-only", so], capture_output=True, text=True, check=True).stdout
+    assert "_ZN3ccl" not in undefined
+    needed = subprocess.run(["readelf", "-d", so], capture_output=True, text=True, check=True).stdout
+    assert "libccl" not in needed and "libsycl" not in needed  # oneCCL is linked in, CPU only
+    assert "$ORIGIN/../../.." in needed
+
+
+def test_other_torch_version_is_refused_with_a_clear_message():
+    code = "import torch; torch.__version__ = '2.12.1+cpu'; import oneccl_bind_pt"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "ImportError" in proc.stderr
+    for needle in ("2.12.1+cpu", "2.13.0", "pip install torch==2.13.0"):
+        assert needle in proc.stderr, proc.stderr
+
+
+def test_mpirun_variables_map_to_torch_env():
+    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    assert _env.map_launcher_env(env) == "mpirun"
+    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2"
+    assert env["LOCAL_RANK"] == "1" and env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == "29500"
+
+
+def test_mpirun_across_hosts_leaves_master_addr_to_the_user():
+    env = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "RANK": "3"}
+    _env.map_launcher_env(env)
+    assert "MASTER_ADDR" not in env
+    assert env["RANK"] == "3"  # never overrides what the user set
+
+
+def test_defaults_never_override_the_user():
+    store = dist.HashStore()  # only the launcher-less path writes to it
+    env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "CCL_ATL_SHM": "0", "CCL_WORKER_COUNT": "2"}
+    _env.apply_ccl_defaults(store, 0, 2, env)
+    assert store.num_keys() == 0
+    assert env["CCL_ATL_SHM"] == "0"
+    assert "CCL_WORKER_OFFLOAD" not in env  # the user manages workers
+    assert env["CCL_LOCAL_RANK"] == "0" and env["CCL_LOCAL_SIZE"] == "2"
+    assert env["CCL_KVS_IFACE"] == "lo"
+
+
+@pytest.mark.parametrize("name", ["oneccl_bind_pt", "oneccl_bindings_for_pytorch", "torch_ccl"])
+def test_import_in_a_fresh_interpreter(name):
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {name} as m; print(m.__version__, m.cwd)"],
+        capture_output=True, text=True, env={k: v for k, v in os.environ.items() if not k.startswith(("CCL_", "LD_"))},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("2.13.0+cpu ")
+
+
+SETVARS = os.path.join(oneccl_bind_pt.cwd, "env", "setvars.sh")
+PREFIX = sys.prefix
+
+
+@pytest.mark.parametrize("shell", ["bash", "dash"])
+def test_setvars_sourced_twice_sets_the_environment_once(shell):
+    script = f'. "{SETVARS}"; . "{SETVARS}"; echo "$PATH"; echo "$I_MPI_ROOT"; command -v mpirun'
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin"}  # dash finds itself via python3
+    out = subprocess.run([shell, "-c", script], capture_output=True, text=True, env=env, check=True).stdout.split("\n")
+    path = out[0].split(":")
+    assert path.count(os.path.join(PREFIX, "bin")) == 1, path
+    assert os.path.realpath(out[1]) == os.path.realpath(PREFIX)
+    assert out[2].endswith("/mpirun")
+
+
+def test_setvars_refuses_to_run_and_documents_itself():
+    proc = subprocess.run(["bash", SETVARS], capture_output=True, text=True)
+    assert proc.returncode == 1 and "must be sourced" in proc.stderr
+    helptext = subprocess.run(["bash", "-c", f'. "{SETVARS}" --help'], capture_output=True, text=True).stdout
+    for var in ("PATH", "I_MPI_ROOT", "CCL_ROOT", "FI_PROVIDER_PATH"):
+        assert var in helptext

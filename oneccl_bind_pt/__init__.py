@@ -34,7 +34,14 @@ _check_torch()
 
 import torch.distributed as _dist  # noqa: E402
 
-from . import _C  # noqa: E402
+try:
+    from . import _C  # noqa: E402
+except ImportError as e:
+    raise ImportError(
+        f"oneccl_bind_pt's compiled extension could not be loaded from {cwd} ({e}). "
+        "If that folder is a source checkout, run Python from another directory so the "
+        "installed package is imported; otherwise reinstall: pip install --no-build-isolation ."
+    ) from e
 from ._env import apply_ccl_defaults as _apply_ccl_defaults  # noqa: E402
 from ._env import map_launcher_env as _map_launcher_env  # noqa: E402
 

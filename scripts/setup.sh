@@ -12,4 +12,5 @@ fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
 # --no-build-isolation: build against the torch in .venv, the one it will run with.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps .
-.venv/bin/python -c "import oneccl_bind_pt as m; print('oneccl_bind_pt', m.__version__, 'ready in', m.cwd)"
+# -P: import the installed package, not this source tree.
+.venv/bin/python -P -c "import oneccl_bind_pt as m; print('oneccl_bind_pt', m.__version__, 'ready in', m.cwd)"

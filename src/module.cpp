@@ -1,6 +1,7 @@
 // Registration: the Python extension module `oneccl_bind_pt._C`.
 // The Python package registers the backend with torch.distributed on import.
 #include "process_group_ccl.hpp"
+#include "raw.hpp"
 #include "work.hpp"
 
 #include <pybind11/chrono.h>
@@ -45,6 +46,16 @@ PYBIND11_MODULE(_C, m) {
       [] { oneccl_bind_pt::Progress::get().shutdown(); },
       py::call_guard<py::gil_scoped_release>(),
       "Stops the background progress thread (called at interpreter exit).");
+  m.def(
+      "_time_raw_oneccl",
+      &oneccl_bind_pt::time_raw_oneccl,
+      py::arg("pg"),
+      py::arg("op"),
+      py::arg("input"),
+      py::arg("output"),
+      py::arg("iters"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Per-call seconds of oneCCL alone on pg's communicator (the benchmark's baseline).");
   m.def("ccl_runtime_version", &runtime_ccl_version, "oneCCL version loaded at run time.");
   m.attr("ccl_build_version") = std::to_string(CCL_MAJOR_VERSION) + "." +
       std::to_string(CCL_MINOR_VERSION) + "." + std::to_string(CCL_UPDATE_VERSION);

@@ -103,6 +103,9 @@ class ProcessGroupCCL : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> barrier(
       const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
 
+  // For the benchmark's raw-oneCCL baseline (raw.cpp).
+  const std::shared_ptr<Communicator>& communicator() const { return comm_; }
+
  private:
   struct Call;
   template <typename Issue>

@@ -1,0 +1,390 @@
+"""Collective benchmark: the ccl backend against gloo and against oneCCL alone.
+
+    python -m oneccl_bind_pt.bench                         # spawns 2 ranks here
+    python -m oneccl_bind_pt.bench --nprocs 4 --ops allreduce
+    torchrun --nproc_per_node 2 -m oneccl_bind_pt.bench
+    mpirun -n 2 python -m oneccl_bind_pt.bench --json out.json --plot out.png
+
+For every op, dtype and message size the three backends run interleaved in
+the same processes: `ccl` (torch.distributed calls on the ccl group), `gloo`
+(the same calls on a gloo group) and `raw` (the same oneCCL call on the ccl
+group's communicator from C++, with no Work, Future or Python around it).
+
+Reported per point: median and p90 time of one call (the slowest rank's time
+for each iteration), algorithm bandwidth (bytes / time) and bus bandwidth
+(algbw x the nccl-tests factor: allreduce 2(n-1)/n; allgather, reduce_scatter
+and alltoall (n-1)/n; broadcast and sendrecv 1), and whether each backend's
+result was right. Bytes are the larger buffer of a call: allgather's output,
+reduce_scatter's input. sendrecv is a ping-pong between ranks 0 and 1; its
+time is half a round trip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+OPS = ["allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "sendrecv"]
+BACKENDS = ["ccl", "gloo", "raw"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PRESETS = {
+    # The comparison the README quotes: a few sizes, every op, under 3 minutes.
+    "headline": dict(ops=OPS, dtypes=["float32"], sizes=[4 << 10, 256 << 10, 4 << 20, 64 << 20]),
+}
+
+
+def bus_factor(op: str, world: int) -> float:
+    if op == "allreduce":
+        return 2 * (world - 1) / world
+    if op in ("allgather", "reduce_scatter", "alltoall"):
+        return (world - 1) / world
+    return 1.0
+
+
+def parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+
+
+def human_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class Point:
+    op: str
+    dtype: str
+    bytes: int
+    backend: str
+    iters: int
+    median_us: float
+    p90_us: float
+    algbw_GBps: float
+    busbw_GBps: float
+    correct: bool
+
+
+class Case:
+    """Buffers and one call of `op` for each backend, with a correctness check."""
+
+    def __init__(self, op, dtype, nbytes, rank, world, ccl_group, gloo_group):
+        self.op, self.rank, self.world = op, rank, world
+        self.groups = {"ccl": ccl_group, "gloo": gloo_group}
+        es = torch.empty((), dtype=dtype).element_size()
+        per_rank = max(1, nbytes // (es * world))  # one share per rank
+        n = per_rank * world if op in ("allgather", "reduce_scatter", "alltoall") else max(1, nbytes // es)
+        self.nbytes = n * es
+        small, large = (per_rank, n) if op in ("allgather", "reduce_scatter") else (n, n)
+        self.inp = torch.zeros(large if op == "reduce_scatter" else small, dtype=dtype)
+        self.out = torch.zeros(small if op == "reduce_scatter" else large, dtype=dtype)
+
+    def call(self, backend):
+        op, inp, out = self.op, self.inp, self.out
+        if backend == "raw":
+            return lambda iters: _raw(self.groups["ccl"], op, inp, out, iters)
+        g = self.groups[backend]
+        if op == "allreduce":
+            return lambda: dist.all_reduce(inp, group=g)
+        if op == "allgather":
+            return lambda: dist.all_gather_into_tensor(out, inp, group=g)
+        if op == "reduce_scatter":
+            return lambda: dist.reduce_scatter_tensor(out, inp, group=g)
+        if op == "alltoall":
+            return lambda: dist.all_to_all_single(out, inp, group=g)
+        if op == "broadcast":
+            return lambda: dist.broadcast(inp, group_src=0, group=g)
+        peer = 1 - self.rank
+
+        def pingpong():
+            if self.rank == 0:
+                dist.send(inp, group_dst=peer, group=g)
+                dist.recv(out, group_src=peer, group=g)
+            elif self.rank == 1:
+                dist.recv(out, group_src=peer, group=g)
+                dist.send(inp, group_dst=peer, group=g)
+
+        return pingpong
+
+    def check(self, backend) -> bool:
+        """One call on rank-dependent data; compares with the value worked out by hand."""
+        r, w = self.rank, self.world
+        self.inp.copy_(torch.arange(self.inp.numel()) % 7 + r)
+        self.out.zero_()
+        call = self.call(backend)
+        call(1) if backend == "raw" else call()
+        base = torch.arange(self.inp.numel()) % 7
+        if self.op == "allreduce":
+            want, got = base * w + w * (w - 1) // 2, self.inp
+        elif self.op == "allgather":
+            k = self.inp.numel()
+            want, got = torch.cat([base + s for s in range(w)]), self.out
+            want = torch.cat([(torch.arange(k) % 7) + s for s in range(w)])
+        elif self.op == "reduce_scatter":
+            k = self.out.numel()
+            want, got = (base * w + w * (w - 1) // 2)[r * k : (r + 1) * k], self.out
+        elif self.op == "alltoall":
+            k = self.inp.numel() // w
+            want = torch.cat([(torch.arange(self.inp.numel()) % 7 + s)[r * k : (r + 1) * k] for s in range(w)])
+            got = self.out
+        elif self.op == "broadcast":
+            want, got = base, self.inp
+        else:  # sendrecv: rank 0 receives rank 1's data and vice versa
+            if r > 1:
+                return True
+            want, got = base + (1 - r), self.out
+        ok = torch.equal(got.to(torch.float64), want.to(torch.float64))
+        self.inp.zero_()  # timing runs on zeros: repeated sums stay finite
+        self.out.zero_()
+        return ok
+
+
+def _raw(group, op, inp, out, iters):
+    from . import _C
+
+    backend = group._get_backend(torch.device("cpu"))
+    return _C._time_raw_oneccl(backend, op, inp, out, iters)
+
+
+def time_calls(case, backend, iters):
+    call = case.call(backend)
+    if backend == "raw":
+        return list(call(iters))
+    times = []
+    clock = time.perf_counter
+    for _ in range(iters):
+        start = clock()
+        call()
+        times.append(clock() - start)
+    return times
+
+
+def run_point(case, backends, seconds, rounds, control):
+    """Times each backend, interleaved over `rounds`; returns {backend: per-iteration seconds}."""
+    # Iteration count: rank 0 estimates from the ccl path and everybody follows.
+    estimate = statistics.median(time_calls(case, "ccl", 3))
+    iters = torch.tensor([max(5, min(20000, int(seconds / max(estimate, 1e-7))))])
+    dist.broadcast(iters, group_src=0, group=control)
+    per_round = max(1, int(iters.item()) // rounds)
+    times = {b: [] for b in backends}
+    for b in backends:
+        time_calls(case, b, 2)  # warm up
+    for _ in range(rounds):
+        for b in backends:
+            dist.barrier(group=control)
+            times[b] += time_calls(case, b, per_round)
+    # Each iteration counts as its slowest rank.
+    for b in backends:
+        t = torch.tensor(times[b], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
+        times[b] = t.tolist()
+    return times
+
+
+def summarize(case, dtype_name, backend, times, correct, world):
+    factor = 0.5 if case.op == "sendrecv" else 1.0  # one way of a round trip
+    ts = sorted(t * factor for t in times)
+    med = statistics.median(ts)
+    p90 = ts[min(len(ts) - 1, int(0.9 * len(ts)))]
+    algbw = case.nbytes / med / 1e9
+    return Point(case.op, dtype_name, case.nbytes, backend, len(ts), med * 1e6, p90 * 1e6,
+                 algbw, algbw * bus_factor(case.op, world), correct)
+
+
+def benchmark(args, rank, world):
+    ccl_group = dist.group.WORLD
+    gloo_group = dist.new_group(backend="gloo")
+    backends = [b for b in args.backends if b in BACKENDS]
+    points = [
+        (op, dt, size)
+        for op in args.ops
+        for dt in args.dtypes
+        for size in args.sizes
+        if not (op == "sendrecv" and world < 2)
+    ]
+    progress = _progress(len(points)) if rank == 0 and not args.quiet else None
+    results = []
+    for op, dt, size in points:
+        case = Case(op, DTYPES[dt], size, rank, world, ccl_group, gloo_group)
+        correct = {}
+        for b in backends:
+            ok = torch.tensor([int(case.check(b))])
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=gloo_group)
+            correct[b] = bool(ok.item())
+        times = run_point(case, backends, args.seconds, args.rounds, gloo_group)
+        results += [summarize(case, dt, b, times[b], correct[b], world) for b in backends]
+        if progress:
+            progress.advance(progress.task_ids[0])
+    if progress:
+        progress.stop()
+    return results
+
+
+def _progress(total):
+    try:
+        from rich.progress import Progress
+    except ImportError:
+        return None
+    p = Progress(transient=True)
+    p.add_task("benchmarking", total=total)
+    p.start()
+    return p
+
+
+def report(results, world, args):
+    rows = {}
+    for p in results:
+        rows.setdefault((p.op, p.dtype, p.bytes), {})[p.backend] = p
+    header = ["op", "dtype", "bytes"]
+    for b in args.backends:
+        header += [f"{b} med us", f"{b} p90 us"]
+    header += ["ccl busbw GB/s", "gloo/ccl", "ccl/raw", "ccl-raw us", "correct"]
+    lines = []
+    for (op, dt, nbytes), by in rows.items():
+        row = [op, dt, human_bytes(nbytes)]
+        for b in args.backends:
+            row += [f"{by[b].median_us:,.1f}", f"{by[b].p90_us:,.1f}"]
+        ccl, gloo, raw = by.get("ccl"), by.get("gloo"), by.get("raw")
+        row.append(f"{ccl.busbw_GBps:.2f}" if ccl else "-")
+        row.append(f"{gloo.median_us / ccl.median_us:.1f}x" if ccl and gloo else "-")
+        row.append(f"{ccl.median_us / raw.median_us:.2f}" if ccl and raw else "-")
+        row.append(f"{ccl.median_us - raw.median_us:+.1f}" if ccl and raw else "-")
+        row.append("yes" if all(p.correct for p in by.values()) else "NO")
+        lines.append(row)
+    title = f"{world} ranks, {os.cpu_count()} CPUs; median of the slowest rank per call"
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title)
+        for h in header:
+            table.add_column(h, justify="left" if h in ("op", "dtype") else "right")
+        for row in lines:
+            table.add_row(*row)
+        Console(width=250).print(table)
+    except ImportError:
+        print(title)
+        widths = [max(len(h), *(len(r[i]) for r in lines)) for i, h in enumerate(header)]
+        for row in [header] + lines:
+            print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(p.op for p in results))
+    fig, axes = plt.subplots(2, len(ops), figsize=(4 * len(ops), 7), squeeze=False)
+    for col, op in enumerate(ops):
+        for backend in dict.fromkeys(p.backend for p in results):
+            for dt in dict.fromkeys(p.dtype for p in results):
+                pts = sorted((p for p in results if p.op == op and p.backend == backend and p.dtype == dt),
+                             key=lambda p: p.bytes)
+                if not pts:
+                    continue
+                label = f"{backend} {dt}"
+                xs = [p.bytes for p in pts]
+                axes[0][col].plot(xs, [p.median_us for p in pts], marker="o", label=label)
+                axes[1][col].plot(xs, [p.busbw_GBps for p in pts], marker="o", label=label)
+        axes[0][col].set_title(op)
+        for row, ylabel in ((0, "median time (us)"), (1, "bus bandwidth (GB/s)")):
+            ax = axes[row][col]
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("message bytes")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0][col].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(rank, world, args):
+    results = benchmark(args, rank, world)
+    if rank == 0:
+        report(results, world, args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"world": world, "cpus": os.cpu_count(), "points": [asdict(p) for p in results]}, f, indent=1)
+        if args.plot:
+            plot(results, args.plot)
+    return results
+
+
+def _spawned(rank, world, store_path, args):
+    import oneccl_bind_pt  # noqa: F401
+
+    dist.init_process_group("ccl", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    run(rank, world, args)
+    dist.destroy_process_group()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m oneccl_bind_pt.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated: " + ", ".join(OPS))
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: " + ", ".join(DTYPES))
+    p.add_argument("--min-bytes", default="4", help="smallest message (e.g. 4, 4K, 1M)")
+    p.add_argument("--max-bytes", default="64M", help="largest message")
+    p.add_argument("--factor", type=int, default=4, help="size step (2 or 4)")
+    p.add_argument("--backends", default="ccl,gloo,raw", help="comma-separated: " + ", ".join(BACKENDS))
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a named selection of ops and sizes")
+    p.add_argument("--seconds", type=float, default=0.2, help="time spent per backend per point")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds per point")
+    p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn when not under a launcher")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--plot", help="write a PNG of time and bus bandwidth vs size here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    args.ops = args.ops.split(",")
+    args.dtypes = args.dtypes.split(",")
+    args.backends = args.backends.split(",")
+    if args.preset:
+        preset = PRESETS[args.preset]
+        args.ops, args.dtypes, args.sizes = preset["ops"], preset["dtypes"], preset["sizes"]
+    else:
+        size, args.sizes = parse_bytes(args.min_bytes), []
+        while size <= parse_bytes(args.max_bytes):
+            args.sizes.append(size)
+            size *= args.factor
+    for name, values, known in (("op", args.ops, OPS), ("dtype", args.dtypes, DTYPES), ("backend", args.backends, BACKENDS)):
+        bad = [v for v in values if v not in known]
+        if bad:
+            p.error(f"unknown {name} {bad}; expected some of {list(known)}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import oneccl_bind_pt  # noqa: F401  (maps mpirun's variables too)
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("ccl")
+        run(dist.get_rank(), dist.get_world_size(), args)
+        dist.destroy_process_group()
+        return 0
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_spawned, args=(args.nprocs, os.path.join(tmp, "store"), args), nprocs=args.nprocs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""The benchmark runs and its results are correct (timings are not judged here)."""
+
+import json
+import subprocess
+import sys
+
+from test_launchers import ROOT
+
+
+def test_bench_runs_every_op_and_checks_results(tmp_path):
+    out = tmp_path / "bench.json"
+    png = tmp_path / "bench.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "oneccl_bind_pt.bench", "--nprocs", "2", "--max-bytes", "4K", "--factor", "32",
+         "--seconds", "0.01", "--rounds", "2", "--quiet", "--json", str(out), "--plot", str(png)],
+        cwd=ROOT / "tests", capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["world"] == 2
+    points = result["points"]
+    ops = {p["op"] for p in points}
+    assert ops == {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "sendrecv"}
+    assert {p["backend"] for p in points} == {"ccl", "gloo", "raw"}
+    assert {p["bytes"] for p in points if p["op"] == "allreduce"} == {4, 128, 4096}
+    bad = [p for p in points if not p["correct"]]
+    assert not bad, bad
+    assert all(p["median_us"] > 0 and p["p90_us"] >= p["median_us"] for p in points)
+    assert png.stat().st_size > 10_000
+    assert "gloo/ccl" in proc.stdout

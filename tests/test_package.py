@@ -44,9 +44,9 @@ def test_extension_is_self_contained():
     assert "$ORIGIN/../../.." in needed
 
 
-def test_other_torch_version_is_refused_with_a_clear_message():
+def test_other_torch_version_is_refused_with_a_clear_message(tmp_path):
     code = "import torch; torch.__version__ = '2.12.1+cpu'; import oneccl_bind_pt"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode != 0
     assert "ImportError" in proc.stderr
     for needle in ("2.12.1+cpu", "2.13.0", "pip install torch==2.13.0"):
@@ -80,10 +80,11 @@ def test_defaults_never_override_the_user():
 
 
 @pytest.mark.parametrize("name", ["oneccl_bind_pt", "oneccl_bindings_for_pytorch", "torch_ccl"])
-def test_import_in_a_fresh_interpreter(name):
+def test_import_in_a_fresh_interpreter(name, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", f"import {name} as m; print(m.__version__, m.cwd)"],
-        capture_output=True, text=True, env={k: v for k, v in os.environ.items() if not k.startswith(("CCL_", "LD_"))},
+        capture_output=True, text=True, cwd=tmp_path,  # not the checkout: the installed package
+        env={k: v for k, v in os.environ.items() if not k.startswith(("CCL_", "LD_"))},
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("2.13.0+cpu ")
@@ -94,10 +95,11 @@ PREFIX = sys.prefix
 
 
 @pytest.mark.parametrize("shell", ["bash", "dash"])
-def test_setvars_sourced_twice_sets_the_environment_once(shell):
+def test_setvars_sourced_twice_sets_the_environment_once(shell, tmp_path):
     script = f'. "{SETVARS}"; . "{SETVARS}"; echo "$PATH"; echo "$I_MPI_ROOT"; command -v mpirun'
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin"}  # dash finds itself via python3
-    out = subprocess.run([shell, "-c", script], capture_output=True, text=True, env=env, check=True).stdout.split("\n")
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin"}  # dash asks python3 for the prefix
+    out = subprocess.run([shell, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         check=True).stdout.split("\n")
     path = out[0].split(":")
     assert path.count(os.path.join(PREFIX, "bin")) == 1, path
     assert os.path.realpath(out[1]) == os.path.realpath(PREFIX)

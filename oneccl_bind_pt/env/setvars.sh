@@ -41,24 +41,25 @@ if [ "$_obp_executed" = 1 ]; then
     exit 1
 fi
 
-if [ -z "$_obp_self" ]; then
-    # dash cannot tell a sourced file its own path: ask the Python on PATH.
-    _obp_self="$(python3 -c 'import oneccl_bind_pt as m; print(m.cwd)' 2>/dev/null)/env/setvars.sh"
-fi
-
 case "${1:-}" in
     -h|--help)
-        _obp_usage "$_obp_self"
+        if [ -n "$_obp_self" ]; then _obp_usage "$_obp_self"; else echo "see the header of setvars.sh"; fi
         unset _obp_self _obp_executed
         unset -f _obp_usage
         return 0
         ;;
 esac
 
-# <prefix>/lib/pythonX.Y/site-packages/oneccl_bind_pt/env/setvars.sh
-_obp_prefix="$(cd "$(dirname "$_obp_self")/../../../../.." 2>/dev/null && pwd)"
-if [ ! -d "$_obp_prefix/lib" ]; then
-    echo "setvars.sh: cannot find the environment prefix from $_obp_self" >&2
+if [ -n "$_obp_self" ]; then
+    # <prefix>/lib/pythonX.Y/site-packages/oneccl_bind_pt/env/setvars.sh
+    _obp_prefix="$(cd "$(dirname "$_obp_self")/../../../../.." 2>/dev/null && pwd)"
+else
+    # dash cannot tell a sourced file its own path: use the environment of the
+    # Python on PATH (the one this package is installed in, once activated).
+    _obp_prefix="$(python3 -c 'import sys; print(sys.prefix)' 2>/dev/null)"
+fi
+if [ -z "$_obp_prefix" ] || [ ! -d "$_obp_prefix/lib" ]; then
+    echo "setvars.sh: cannot find the environment this package is installed in" >&2
     unset _obp_self _obp_executed _obp_prefix
     unset -f _obp_usage
     return 1

@@ -5,10 +5,13 @@
     torchrun --nproc_per_node 2 -m oneccl_bind_pt.bench
     mpirun -n 2 python -m oneccl_bind_pt.bench --json out.json --plot out.png
 
-For every op, dtype and message size the three backends run interleaved in
-the same processes: `ccl` (torch.distributed calls on the ccl group), `gloo`
-(the same calls on a gloo group) and `raw` (the same oneCCL call on the ccl
-group's communicator from C++, with no Work, Future or Python around it).
+For every op, dtype and message size these run interleaved in the same
+processes: `ccl` (torch.distributed calls on the ccl group, what users get),
+`pg` (the ccl backend's own methods, skipping torch.distributed's Python
+layer), `gloo` (the torch.distributed calls on a gloo group) and `raw` (the
+same oneCCL call on the ccl group's communicator from C++, with no Work,
+Future or Python around it). raw -> pg is this binding's overhead; pg -> ccl
+is torch.distributed's.
 
 Reported per point: median and p90 time of one call (the slowest rank's time
 for each iteration), algorithm bandwidth (bytes / time) and bus bandwidth
@@ -35,12 +38,17 @@ import torch
 import torch.distributed as dist
 
 OPS = ["allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "sendrecv"]
-BACKENDS = ["ccl", "gloo", "raw"]
+BACKENDS = ["ccl", "pg", "gloo", "raw"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRESETS = {
     # The comparison the README quotes: a few sizes, every op, under 3 minutes.
     "headline": dict(ops=OPS, dtypes=["float32"], sizes=[4 << 10, 256 << 10, 4 << 20, 64 << 20]),
 }
+
+
+# torch 2.13's names; the older ones still work but warn.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def bus_factor(op: str, world: int) -> float:
@@ -96,13 +104,15 @@ class Case:
         op, inp, out = self.op, self.inp, self.out
         if backend == "raw":
             return lambda iters: _raw(self.groups["ccl"], op, inp, out, iters)
+        if backend == "pg":
+            return self._backend_call()
         g = self.groups[backend]
         if op == "allreduce":
             return lambda: dist.all_reduce(inp, group=g)
         if op == "allgather":
-            return lambda: dist.all_gather_into_tensor(out, inp, group=g)
+            return lambda: _all_gather_single(out, inp, group=g)
         if op == "reduce_scatter":
-            return lambda: dist.reduce_scatter_tensor(out, inp, group=g)
+            return lambda: _reduce_scatter_single(out, inp, group=g)
         if op == "alltoall":
             return lambda: dist.all_to_all_single(out, inp, group=g)
         if op == "broadcast":
@@ -116,6 +126,30 @@ class Case:
             elif self.rank == 1:
                 dist.recv(out, group_src=peer, group=g)
                 dist.send(inp, group_dst=peer, group=g)
+
+        return pingpong
+
+    def _backend_call(self):
+        pg = self.groups["ccl"]._get_backend(torch.device("cpu"))
+        op, inp, out, peer = self.op, self.inp, self.out, 1 - self.rank
+        if op == "allreduce":
+            return lambda: pg.allreduce([inp]).wait()
+        if op == "allgather":
+            return lambda: pg._allgather_base(out, inp).wait()
+        if op == "reduce_scatter":
+            return lambda: pg._reduce_scatter_base(out, inp).wait()
+        if op == "alltoall":
+            return lambda: pg.alltoall_base(out, inp, [], []).wait()
+        if op == "broadcast":
+            return lambda: pg.broadcast([inp]).wait()
+
+        def pingpong():
+            if self.rank == 0:
+                pg.send([inp], peer, 0).wait()
+                pg.recv([out], peer, 0).wait()
+            elif self.rank == 1:
+                pg.recv([out], peer, 0).wait()
+                pg.send([inp], peer, 0).wait()
 
         return pingpong
 
@@ -174,18 +208,20 @@ def time_calls(case, backend, iters):
 
 def run_point(case, backends, seconds, rounds, control):
     """Times each backend, interleaved over `rounds`; returns {backend: per-iteration seconds}."""
-    # Iteration count: rank 0 estimates from the ccl path and everybody follows.
-    estimate = statistics.median(time_calls(case, "ccl", 3))
-    iters = torch.tensor([max(5, min(20000, int(seconds / max(estimate, 1e-7))))])
-    dist.broadcast(iters, group_src=0, group=control)
-    per_round = max(1, int(iters.item()) // rounds)
-    times = {b: [] for b in backends}
+    # Iterations per backend so each spends about `seconds`: rank 0 estimates
+    # (after a warm-up) and everybody follows.
+    estimates = []
     for b in backends:
-        time_calls(case, b, 2)  # warm up
+        time_calls(case, b, 2)
+        estimates.append(statistics.median(time_calls(case, b, 3)))
+    iters = torch.tensor([max(rounds, min(20000, int(seconds / max(e, 1e-7)))) for e in estimates])
+    dist.broadcast(iters, group_src=0, group=control)
+    per_round = {b: max(1, int(n) // rounds) for b, n in zip(backends, iters.tolist())}
+    times = {b: [] for b in backends}
     for _ in range(rounds):
         for b in backends:
             dist.barrier(group=control)
-            times[b] += time_calls(case, b, per_round)
+            times[b] += time_calls(case, b, per_round[b])
     # Each iteration counts as its slowest rank.
     for b in backends:
         t = torch.tensor(times[b], dtype=torch.float64)
@@ -251,7 +287,7 @@ def report(results, world, args):
     header = ["op", "dtype", "bytes"]
     for b in args.backends:
         header += [f"{b} med us", f"{b} p90 us"]
-    header += ["ccl busbw GB/s", "gloo/ccl", "ccl/raw", "ccl-raw us", "correct"]
+    header += ["ccl busbw GB/s", "gloo/ccl", "ccl/raw", "ccl-raw us", "pg/raw", "pg-raw us", "correct"]
     lines = []
     for (op, dt, nbytes), by in rows.items():
         row = [op, dt, human_bytes(nbytes)]
@@ -260,8 +296,9 @@ def report(results, world, args):
         ccl, gloo, raw = by.get("ccl"), by.get("gloo"), by.get("raw")
         row.append(f"{ccl.busbw_GBps:.2f}" if ccl else "-")
         row.append(f"{gloo.median_us / ccl.median_us:.1f}x" if ccl and gloo else "-")
-        row.append(f"{ccl.median_us / raw.median_us:.2f}" if ccl and raw else "-")
-        row.append(f"{ccl.median_us - raw.median_us:+.1f}" if ccl and raw else "-")
+        for mine in (ccl, by.get("pg")):
+            row.append(f"{mine.median_us / raw.median_us:.2f}" if mine and raw else "-")
+            row.append(f"{mine.median_us - raw.median_us:+.1f}" if mine and raw else "-")
         row.append("yes" if all(p.correct for p in by.values()) else "NO")
         lines.append(row)
     title = f"{world} ranks, {os.cpu_count()} CPUs; median of the slowest rank per call"
@@ -343,7 +380,7 @@ def parse_args(argv=None):
     p.add_argument("--min-bytes", default="4", help="smallest message (e.g. 4, 4K, 1M)")
     p.add_argument("--max-bytes", default="64M", help="largest message")
     p.add_argument("--factor", type=int, default=4, help="size step (2 or 4)")
-    p.add_argument("--backends", default="ccl,gloo,raw", help="comma-separated: " + ", ".join(BACKENDS))
+    p.add_argument("--backends", default="ccl,pg,gloo,raw", help="comma-separated: " + ", ".join(BACKENDS))
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named selection of ops and sizes")
     p.add_argument("--seconds", type=float, default=0.2, help="time spent per backend per point")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds per point")

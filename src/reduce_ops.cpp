@@ -88,14 +88,6 @@ void Reduction::finish(at::Tensor& t, int group_size) const {
   }
 }
 
-ccl::allreduce_attr Reduction::allreduce_attr() const {
-  auto attr = ccl::create_operation_attr<ccl::allreduce_attr>();
-  if (custom_fn) {
-    attr.set<ccl::allreduce_attr_id::reduction_fn>(custom_fn);
-  }
-  return attr;
-}
-
 Reduction resolve_reduction(
     const char* op_name,
     const c10d::ReduceOp& op,
@@ -177,6 +169,8 @@ Reduction resolve_reduction(
       r.custom_fn = kind == c10d::ReduceOp::BAND ? &bitwise_kernel<std::bit_and>
           : kind == c10d::ReduceOp::BOR          ? &bitwise_kernel<std::bit_or>
                                                  : &bitwise_kernel<std::bit_xor>;
+      r.custom_attr_ = ccl::create_operation_attr<ccl::allreduce_attr>();
+      r.custom_attr_.set<ccl::allreduce_attr_id::reduction_fn>(r.custom_fn);
       break;
     default:
       TORCH_CHECK_VALUE(

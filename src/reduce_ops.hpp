@@ -32,7 +32,12 @@ struct Reduction {
   // Applies AVG's division to a result.
   void finish(at::Tensor& t, int group_size) const;
   bool needs_finish() const { return average; }
-  ccl::allreduce_attr allreduce_attr() const;
+  // oneCCL's default attribute unless a custom function must ride along:
+  // building one costs an allocation per call.
+  const ccl::allreduce_attr& allreduce_attr() const {
+    return custom_fn ? custom_attr_ : ccl::default_allreduce_attr;
+  }
+  ccl::allreduce_attr custom_attr_ = ccl::default_allreduce_attr;
 };
 
 // Resolves op x dtype for collective `op_name`; throws a ValueError/TypeError

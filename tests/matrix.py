@@ -154,15 +154,15 @@ def _reduce(rank, world, op, dtype):
         assert same_bytes(t, data(rank, dtype, SHAPE, op=op)), "reduce changed a non-root input"
 
 
-def _reduce_scatter_tensor(rank, world, op, dtype):
+def _reduce_scatter_single(rank, world, op, dtype):
     shape = (world * 2, 3)
     inp = data(rank, dtype, shape, op=op)
     keep = inp.clone()
     out = torch.empty((2, 3), dtype=dtype)
-    dist.reduce_scatter_tensor(out, inp, op=reduce_op(op))
+    dist.reduce_scatter_single(out, inp, op=reduce_op(op))
     full = expected_reduction([data(r, dtype, shape, op=op) for r in range(world)], op, world)
-    assert_reduced(out, full[rank * 2 : rank * 2 + 2], "reduce_scatter_tensor")
-    assert same_bytes(inp, keep), "reduce_scatter_tensor changed its input"
+    assert_reduced(out, full[rank * 2 : rank * 2 + 2], "reduce_scatter_single")
+    assert same_bytes(inp, keep), "reduce_scatter_single changed its input"
 
 
 def _reduce_scatter_list(rank, world, op, dtype):
@@ -190,12 +190,30 @@ def _allreduce_coalesced(rank, world, op, dtype):
     )
 
 
+def _reduce_scatter_coalesced(rank, world, op, dtype):
+    shapes = [(world * 2,), (world, 3)]
+    inputs = [data(rank, dtype, sh, salt=i, op=op) for i, sh in enumerate(shapes)]
+    outs = [torch.empty((2,), dtype=dtype), torch.empty((1, 3), dtype=dtype)]
+    try:
+        with dist._coalescing_manager(async_ops=True) as cm:
+            for o, i in zip(outs, inputs):
+                dist.reduce_scatter_single(o, i, op=reduce_op(op))
+    finally:
+        dist.distributed_c10d._world.pg_coalesce_state.pop(dist.group.WORLD, None)
+    cm.wait()
+    for i, (o, sh) in enumerate(zip(outs, shapes)):
+        full = expected_reduction([data(r, dtype, sh, salt=i, op=op) for r in range(world)], op, world)
+        share = full.shape[0] // world
+        assert_reduced(o, full[rank * share : (rank + 1) * share], f"coalesced reduce_scatter {i}")
+
+
 REDUCTIONS = {
     "all_reduce": _allreduce,
     "reduce": _reduce,
-    "reduce_scatter_tensor": _reduce_scatter_tensor,
+    "reduce_scatter_single": _reduce_scatter_single,
     "reduce_scatter": _reduce_scatter_list,
     "all_reduce_coalesced": _allreduce_coalesced,
+    "reduce_scatter_single_coalesced": _reduce_scatter_coalesced,
 }
 
 
@@ -237,17 +255,17 @@ def _all_gather_uneven(rank, world, dtype):
         assert same_bytes(out[r], raw_data(r, dtype, (r + 1, 2))), f"slot {r}"
 
 
-def _all_gather_into_tensor(rank, world, dtype):
+def _all_gather_single(rank, world, dtype):
     out = torch.empty((world * 2, 3), dtype=dtype)
-    dist.all_gather_into_tensor(out, raw_data(rank, dtype, (2, 3)))
+    dist.all_gather_single(out, raw_data(rank, dtype, (2, 3)))
     assert same_bytes(out, torch.cat([raw_data(r, dtype, (2, 3)) for r in range(world)]))
 
 
-def _all_gather_into_tensor_coalesced(rank, world, dtype):
+def _all_gather_single_coalesced(rank, world, dtype):
     outs = [torch.empty((world * 2,), dtype=dtype), torch.empty((world * 3, 2), dtype=dtype)]
     with dist._coalescing_manager(async_ops=True) as cm:
-        dist.all_gather_into_tensor(outs[0], raw_data(rank, dtype, (2,)))
-        dist.all_gather_into_tensor(outs[1], raw_data(rank, dtype, (3, 2), salt=1))
+        dist.all_gather_single(outs[0], raw_data(rank, dtype, (2,)))
+        dist.all_gather_single(outs[1], raw_data(rank, dtype, (3, 2), salt=1))
     cm.wait()
     assert same_bytes(outs[0], torch.cat([raw_data(r, dtype, (2,)) for r in range(world)]))
     assert same_bytes(outs[1], torch.cat([raw_data(r, dtype, (3, 2), salt=1) for r in range(world)]))
@@ -333,8 +351,8 @@ MOVEMENTS = {
     "broadcast": _broadcast,
     "all_gather": _all_gather,
     "all_gather_uneven": _all_gather_uneven,
-    "all_gather_into_tensor": _all_gather_into_tensor,
-    "all_gather_into_tensor_coalesced": _all_gather_into_tensor_coalesced,
+    "all_gather_single": _all_gather_single,
+    "all_gather_single_coalesced": _all_gather_single_coalesced,
     "gather": _gather,
     "scatter": _scatter,
     "all_to_all": _all_to_all,

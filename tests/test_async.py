@@ -94,7 +94,7 @@ def _subgroups(rank, world):
         dist.all_reduce(t, group=g12)
         assert t.tolist() == [5.0, 5.0]
         out = torch.empty(4)
-        dist.all_gather_into_tensor(out, torch.full((2,), float(rank)), group=g12)
+        dist.all_gather_single(out, torch.full((2,), float(rank)), group=g12)
         assert out.tolist() == [1.0, 1.0, 2.0, 2.0]
     # The world group still works beside them.
     t = torch.full((2,), 1.0)
@@ -143,3 +143,23 @@ def _direct_backend(rank, world):
 
 def test_construct_backend_directly():
     assert all(run_ranks(_direct_backend, 2))
+
+
+def _deprecated_names(rank, world):
+    # torch 2.13 renamed these; code written for older torch keeps calling them.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        out = torch.empty(2 * world)
+        dist.all_gather_into_tensor(out, torch.full((2,), float(rank)))
+        assert out.tolist() == [float(r) for r in range(world) for _ in range(2)]
+        share = torch.empty(2)
+        dist.reduce_scatter_tensor(share, torch.arange(2.0 * world) + rank)
+        base = torch.arange(2.0 * world)[2 * rank : 2 * rank + 2]
+        assert share.tolist() == (base * world + sum(range(world))).tolist()
+    return True
+
+
+def test_deprecated_collective_names():
+    assert all(run_ranks(_deprecated_names, 2))

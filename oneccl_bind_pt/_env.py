@@ -32,7 +32,10 @@ CCL_WORKER_OFFLOAD         ``0``                       oneCCL's default worker t
                                                        that waits for it (or in our
                                                        background thread for Futures).
 CCL_KVS_IFACE              ``lo`` when every rank is   oneCCL's bootstrap listener binds
-                           on this host                the loopback, not the first NIC.
+                           on this host, else the NIC  the interface the job uses, not the
+                           that routes to rank 0's     first NIC it finds (nor all of them),
+                           host (MASTER_ADDR)          and libfabric's TCP traffic goes over
+FI_TCP_IFACE               the same NIC, across hosts  the same one.
 CCL_LOG_LEVEL              ``error``                   oneCCL warns about every variable
                                                        above at startup; errors still show.
 =========================  ==========================  =====================================
@@ -50,8 +53,10 @@ MASTER_PORT to 29500, so ``init_process_group("ccl")`` works as written.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+import struct
 from collections.abc import MutableMapping
 
 # Variables this module set, and the value: `doctor` shows them as ours.
@@ -92,10 +97,54 @@ def _local_layout(store, rank: int, size: int, env: MutableMapping[str, str]) ->
             return int(env[rank_var]), int(env[size_var])
     # No launcher told us (mp.spawn, hand-written scripts): compare host names.
     host = socket.gethostname()
-    store.set(f"oneccl/host/{rank}", host)
-    hosts = [store.get(f"oneccl/host/{r}").decode() for r in range(size)]
+    keys = [f"oneccl/host/{r}" for r in range(size)]
+    store.set(keys[rank], host)
+    try:
+        store.wait(keys)
+    except RuntimeError:  # the store's timeout: say who never came
+        import torch.distributed as dist
+
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise dist.DistBackendError(
+            f"ccl rendezvous: rank {rank} waited {store.timeout.total_seconds():.1f} s for the other ranks "
+            f"of this process group (size {size}); missing ranks: {', '.join(map(str, missing)) or 'none'}. "
+            "Every rank must create the group (init_process_group / new_group) and none may have exited."
+        ) from None
+    hosts = [store.get(key).decode() for key in keys]
     mine = [r for r, h in enumerate(hosts) if h == host]
     return mine.index(rank), len(mine)
+
+
+def _ipv4_of(interface: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", interface.encode()[:15]))  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def interface_towards(host: str) -> str | None:
+    """The local network interface the kernel would use to reach `host`."""
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((address, 9))  # a UDP connect only picks the route; nothing is sent
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    for _, name in socket.if_nameindex():
+        if _ipv4_of(name) == local:
+            return name
+    return None
+
+
+def _master_host(store, env: MutableMapping[str, str]) -> str | None:
+    while store is not None:  # PrefixStores wrap the TCPStore that knows rank 0's host
+        if getattr(store, "host", None):
+            return store.host
+        store = getattr(store, "underlying_store", None)
+    return env.get("MASTER_ADDR")
 
 
 def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str] = os.environ) -> None:
@@ -110,4 +159,10 @@ def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str
         _set_default(env, "CCL_WORKER_OFFLOAD", "0")
     if local_size == size:
         _set_default(env, "CCL_KVS_IFACE", "lo")
+    else:
+        host = _master_host(store, env)
+        interface = interface_towards(host) if host else None
+        if interface:
+            _set_default(env, "CCL_KVS_IFACE", interface)
+            _set_default(env, "FI_TCP_IFACE", interface)
     _set_default(env, "CCL_LOG_LEVEL", "error")

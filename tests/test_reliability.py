@@ -1,0 +1,300 @@
+"""Faults, leaks, concurrency, long runs, and two hosts (network namespaces)."""
+
+import ctypes
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+from test_launchers import BIN, ROOT, free_port, run
+
+
+def _usage():
+    statm = open("/proc/self/statm").read().split()
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": len(os.listdir("/proc/self/task")),
+        "rss_kb": int(statm[1]) * os.sysconf("SC_PAGE_SIZE") // 1024,
+    }
+
+
+def _trimmed_usage():
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so RSS shows leaks only
+    return _usage()
+
+
+# ---- a rank dies, never comes, or leaves work behind ----------------------------------
+
+
+def _two_processes(script, *args, env=None, timeout=60):
+    port = free_port()
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", **(env or {})}
+    procs = [
+        subprocess.Popen([sys.executable, script, *args], cwd=ROOT, env={**base, "RANK": str(r), "LOCAL_RANK": str(r),
+                         "LOCAL_WORLD_SIZE": "2"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(2)
+    ]
+    return [p.communicate(timeout=timeout) + (p.returncode,) for p in procs]
+
+
+def test_killed_rank_makes_the_survivor_raise_within_the_timeout():
+    start = time.monotonic()
+    (out0, _, rc0), (_, _, rc1) = _two_processes("tests/scripts/rank_dies.py", env={"PG_TIMEOUT": "5"})
+    assert rc1 == -9
+    assert rc0 == 3, out0  # raised DistBackendError, destroyed the group, exited on its own
+    m = re.search(r"rank 0 raised after ([\d.]+) s: .*allreduce", out0)
+    assert m and float(m.group(1)) <= 10, out0
+    assert time.monotonic() - start < 40
+
+
+def test_torchrun_tears_the_job_down_when_a_rank_is_killed():
+    start = time.monotonic()
+    proc = subprocess.run(
+        [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "tests/scripts/rank_dies.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PG_TIMEOUT": "5"},
+    )
+    assert proc.returncode != 0
+    assert "SIGKILL" in proc.stdout + proc.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_missing_rank_is_named_at_rendezvous(tmp_path):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "tests/scripts/lonely_rank.py", str(tmp_path / "store")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "missing ranks: 1" in proc.stdout, proc.stdout
+    assert time.monotonic() - start < 30
+
+
+def _destroy_with_work_in_flight(rank, world):
+    t = torch.ones(1 << 18)
+    works = [dist.all_reduce(t, async_op=True) for _ in range(5)]
+    dist.destroy_process_group()  # nobody waited: must neither hang nor crash
+    del works
+    # A new group in the same process works.
+    dist.init_process_group("ccl", init_method=f"file://{os.environ['SECOND_STORE']}", rank=rank, world_size=world)
+    x = torch.full((4,), float(rank + 1))
+    dist.all_reduce(x)
+    assert x.tolist() == [3.0] * 4
+    return True
+
+
+def test_destroy_with_work_in_flight_then_start_again(tmp_path):
+    assert all(run_ranks(_destroy_with_work_in_flight, 2, env={"SECOND_STORE": str(tmp_path / "second")}))
+
+
+# ---- many groups, threads, long runs ------------------------------------------------
+
+
+def _many_groups(rank, world):
+    t = torch.ones(1000)
+    for i in range(55):
+        g = dist.new_group(list(range(world)))
+        dist.all_reduce(t, group=g)
+        dist.destroy_process_group(g)
+        if i == 4:
+            before = _trimmed_usage()
+    after = _trimmed_usage()
+    assert t[0].item() == world**55
+    return before, after
+
+
+def test_fifty_groups_created_and_destroyed_without_leaks():
+    for before, after in run_ranks(_many_groups, 2, timeout=300):
+        assert after["fds"] <= before["fds"], (before, after)
+        assert after["threads"] <= before["threads"], (before, after)
+        assert after["rss_kb"] < before["rss_kb"] * 1.05, (before, after)
+
+
+def _two_threads(rank, world):
+    groups = [dist.new_group(list(range(world))) for _ in range(2)]
+    errors = []
+
+    def worker(k):
+        try:
+            for i in range(300):
+                x = torch.full((257,), float(rank + i + k))
+                work = dist.all_reduce(x, group=groups[k], async_op=i % 2 == 0)
+                if work is not None:
+                    work.wait()
+                assert x[0].item() == sum(r + i + k for r in range(world))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    return True
+
+
+def test_two_threads_on_two_groups_concurrently():
+    assert all(run_ranks(_two_threads, 2))
+
+
+def _soak(rank, world, count, distinct_sizes):
+    """Mixed collectives of random sizes, sync and async, on two groups; every result checked.
+
+    Sizes come from a pool of `distinct_sizes`: oneCCL's buffer cache keeps one scratch
+    buffer per distinct allreduce size (see docs/reliability.md), so memory stays flat
+    only once every size has been seen.
+    """
+    groups = [dist.group.WORLD, dist.new_group(list(range(world)))]
+    rng = random.Random(1234)  # the same sequence on every rank
+    sizes = [world * rng.randint(1, (1 << 20) // world) for _ in range(distinct_sizes)]  # up to 4 MiB
+    pending, checked = [], 0
+
+    def settle():
+        nonlocal checked
+        for work, check in pending:
+            if work is not None:
+                work.wait()
+            check()
+            checked += 1
+        pending.clear()
+
+    warm = count // 5
+    for i in range(count):
+        op = rng.choice(["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"])
+        n = rng.choice(sizes)
+        group = groups[rng.randrange(2)]
+        async_op = rng.random() < 0.5
+        v = float((i % 97) + rank)
+        if op == "all_reduce":
+            x = torch.full((n,), v)
+            want = sum((i % 97) + r for r in range(world))
+            work = dist.all_reduce(x, group=group, async_op=async_op)
+            check = (lambda x=x, want=want: _expect(x[0].item() == want and x[-1].item() == want, op))
+        elif op == "all_gather":
+            out = torch.empty(n)
+            work = dist.all_gather_single(out, torch.full((n // world,), v), group=group, async_op=async_op)
+            check = (lambda out=out, i=i, k=n // world: _expect(
+                all(out[r * k].item() == (i % 97) + r for r in range(world)), op))
+        elif op == "reduce_scatter":
+            out = torch.empty(n // world)
+            work = dist.reduce_scatter_single(out, torch.full((n,), v), group=group, async_op=async_op)
+            want = sum((i % 97) + r for r in range(world))
+            check = (lambda out=out, want=want: _expect(out[-1].item() == want, op))
+        elif op == "all_to_all":
+            out = torch.empty(n)
+            work = dist.all_to_all_single(out, torch.full((n,), v), group=group, async_op=async_op)
+            k = n // world
+            check = (lambda out=out, i=i, k=k: _expect(
+                all(out[r * k].item() == (i % 97) + r for r in range(world)), op))
+        else:
+            x = torch.full((n,), v)
+            work = dist.broadcast(x, group_src=i % world, group=group, async_op=async_op)
+            check = (lambda x=x, want=(i % 97) + i % world: _expect(x[-1].item() == want, op))
+        pending.append((work, check))
+        if len(pending) >= 4 or not async_op:
+            settle()
+        if i == warm:
+            settle()
+            before = _trimmed_usage()
+    settle()
+    after = _trimmed_usage()
+    return checked, before, after
+
+
+def _expect(ok, op):
+    assert ok, f"wrong {op} result"
+
+
+@pytest.mark.parametrize("count", [pytest.param(1500, id="short"), pytest.param(10_000, id="long", marks=pytest.mark.slow)])
+def test_soak_mixed_collectives(count):
+    for checked, before, after in run_ranks(_soak, 2, count, 32, timeout=3600):
+        assert checked == count
+        assert after["fds"] <= before["fds"], (before, after)
+        assert after["threads"] <= before["threads"], (before, after)
+        assert after["rss_kb"] < before["rss_kb"] * 1.05, (before, after)
+
+
+def test_soak_every_size_new_with_buffer_cache_off():
+    # Every allreduce a new size: flat only without oneCCL's per-size buffer cache.
+    for checked, before, after in run_ranks(_soak, 2, 600, 600, env={"CCL_BUFFER_CACHE": "0"}):
+        assert checked == 600
+        assert after["rss_kb"] < before["rss_kb"] * 1.05, (before, after)
+
+
+# ---- two hosts ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair: one 'host' per rank."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
+        pytest.skip("network namespaces need root, iproute2 and unshare")
+    tag = uuid.uuid4().hex[:6]
+    ns = [f"obp{tag}a", f"obp{tag}b"]
+    dev = [f"obp{tag}0", f"obp{tag}1"]
+    addr = ["10.213.77.1", "10.213.77.2"]
+    setup = [
+        ["ip", "netns", "add", ns[0]], ["ip", "netns", "add", ns[1]],
+        ["ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1]],
+    ]
+    for k in (0, 1):
+        setup += [
+            ["ip", "link", "set", dev[k], "netns", ns[k]],
+            ["ip", "-n", ns[k], "addr", "add", f"{addr[k]}/24", "dev", dev[k]],
+            ["ip", "-n", ns[k], "link", "set", dev[k], "up"],
+            ["ip", "-n", ns[k], "link", "set", "lo", "up"],
+        ]
+    try:
+        for cmd in setup:
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as e:
+        for n in ns:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+        pytest.skip(f"cannot create network namespaces here: {' '.join(e.cmd)}: {e.stderr.strip()}")
+    yield ns, dev, addr
+    for n in ns:
+        subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def _tx_bytes(ns, dev):
+    out = subprocess.run(["ip", "-n", ns, "-s", "link", "show", dev], capture_output=True, text=True, check=True).stdout
+    return int(out.split("TX:")[1].split("\n")[1].split()[0])
+
+
+def test_two_hosts_over_veth_match_one_host(two_hosts):
+    ns, dev, addr = two_hosts
+    port = free_port()
+    sent_before = _tx_bytes(ns[0], dev[0])
+    # Each host gets its own host name too (a UTS namespace): oneCCL treats peers with
+    # the same host name as local and would use shared memory between them.
+    procs = [
+        subprocess.Popen(
+            ["ip", "netns", "exec", ns[k], "unshare", "--uts", "sh", "-c",
+             f'hostname {ns[k]} && exec "$@"', "sh",
+             BIN / "torchrun", "--nnodes", "2", "--nproc_per_node", "1",
+             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{addr[0]}:{port}", "--rdzv_id", "twohosts",
+             "--rdzv_conf", f"is_host={k == 0}", "--local_addr", addr[k], "tests/scripts/two_hosts.py"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={k2: v for k2, v in os.environ.items() if not k2.startswith(("CCL_", "FI_", "MASTER_"))},
+        )
+        for k in (0, 1)
+    ]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+    two = dict(re.findall(r"rank (\d) allreduce_ok=True grad_checksum=(-?\d+\.\d{10})", "".join(outs)))
+    assert sorted(two) == ["0", "1"], outs
+    # The allreduce (256 KiB per rank) really crossed the veth link, over TCP.
+    assert _tx_bytes(ns[0], dev[0]) - sent_before > 256 * 1024
+    one = run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
+               "tests/scripts/two_hosts.py"])
+    single = dict(re.findall(r"rank (\d) allreduce_ok=True grad_checksum=(-?\d+\.\d{10})", one))
+    assert two == single, (two, single)

@@ -165,6 +165,54 @@ void unflatten_into(const at::Tensor& flat, std::vector<at::Tensor>& tensors) {
   }
 }
 
+size_t total(const std::vector<size_t>& counts) {
+  return std::accumulate(counts.begin(), counts.end(), size_t{0});
+}
+
+// The bytes of `tensors`, one after the other, in a new flat buffer.
+at::Tensor pack_bytes(const std::vector<at::Tensor>& tensors, const at::TensorOptions& like) {
+  std::vector<at::Tensor> bytes;
+  for (const auto& t : tensors) {
+    bytes.push_back(as_bytes(t));
+  }
+  return bytes.empty() ? at::empty({0}, like.dtype(at::kByte)) : at::cat(bytes);
+}
+
+// Copies consecutive byte ranges of `flat` back into `tensors`.
+void unpack_bytes(const at::Tensor& flat, std::vector<at::Tensor>& tensors) {
+  int64_t offset = 0;
+  for (auto& t : tensors) {
+    const auto n = static_cast<int64_t>(nbytes(t));
+    as_bytes(t).copy_(flat.narrow(0, offset, n));
+    offset += n;
+  }
+}
+
+// gather's gather_list / scatter's scatter_list: checked on the root (one
+// tensor per rank, its own slot the size of `own`), absent everywhere else.
+std::vector<at::Tensor> root_list(
+    const char* op,
+    const std::vector<std::vector<at::Tensor>>& lists,
+    const at::Tensor& own,
+    int root,
+    int rank,
+    int size,
+    const char* what) {
+  if (rank != root) {
+    TORCH_CHECK_VALUE(
+        lists.empty() || (lists.size() == 1 && lists[0].empty()), "ccl ", op,
+        ": only the root (rank ", root, ") passes a ", what);
+    return {};
+  }
+  TORCH_CHECK_VALUE(
+      lists.size() == 1, "ccl ", op, ": the root expects one ", what, ", got ", lists.size());
+  check_list(op, lists[0], own, size, what);
+  TORCH_CHECK_VALUE(
+      lists[0][root].numel() == own.numel(), "ccl ", op, ": ", what, "[", root, "] has ",
+      lists[0][root].numel(), " elements but this rank's tensor has ", own.numel());
+  return lists[0];
+}
+
 std::vector<size_t> byte_counts(const std::vector<at::Tensor>& tensors) {
   std::vector<size_t> counts;
   counts.reserve(tensors.size());
@@ -531,37 +579,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::gather(
   const int size = getSize();
   check_rank(op, "root rank", opts.rootRank, size);
   const int root = static_cast<int>(opts.rootRank);
-  const bool is_root = getRank() == root;
-  std::vector<size_t> send_counts(size, 0), recv_counts(size, 0);
+  auto outs = root_list(op, outputs, in, root, getRank(), size, "gather_list");
+  std::vector<size_t> send_counts(size, 0);
   send_counts[root] = nbytes(in);
-  at::Tensor flat;
-  std::vector<at::Tensor> outs;
-  if (is_root) {
-    TORCH_CHECK_VALUE(
-        outputs.size() == 1, "ccl ", op, ": the root expects one gather_list, got ", outputs.size());
-    check_list(op, outputs[0], in, size, "gather_list");
-    TORCH_CHECK_VALUE(
-        outputs[0][root].numel() == in.numel(), "ccl ", op, ": gather_list[", root,
-        "] has ", outputs[0][root].numel(), " elements but the input has ", in.numel());
-    outs = outputs[0];
-    recv_counts = byte_counts(outs);
-    flat = at::empty({static_cast<int64_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0}))}, in.options().dtype(at::kByte));
-  } else {
-    TORCH_CHECK_VALUE(
-        outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), "ccl ", op,
-        ": only the root (rank ", root, ") passes a gather_list");
-    flat = at::empty({0}, in.options().dtype(at::kByte));
-  }
+  auto recv_counts = outs.empty() ? std::vector<size_t>(size, 0) : byte_counts(outs);
+  at::Tensor flat = at::empty({static_cast<int64_t>(total(recv_counts))}, in.options().dtype(at::kByte));
   Call call{kGather, pick_timeout(opts.timeout, timeout_), {in}, outs, {flat}};
-  if (is_root) {
-    call.on_success = [flat, outs]() mutable {
-      int64_t offset = 0;
-      for (auto& t : outs) {
-        const auto n = static_cast<int64_t>(nbytes(t));
-        as_bytes(t).copy_(flat.narrow(0, offset, n));
-        offset += n;
-      }
-    };
+  if (!outs.empty()) {
+    call.on_success = [flat, outs]() mutable { unpack_bytes(flat, outs); };
   }
   return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
     events.push_back(
@@ -578,31 +603,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::scatter(
   const int size = getSize();
   check_rank(op, "root rank", opts.rootRank, size);
   const int root = static_cast<int>(opts.rootRank);
-  const bool is_root = getRank() == root;
-  std::vector<size_t> send_counts(size, 0), recv_counts(size, 0);
+  auto ins = root_list(op, inputs, out, root, getRank(), size, "scatter_list");
+  auto send_counts = ins.empty() ? std::vector<size_t>(size, 0) : byte_counts(ins);
+  std::vector<size_t> recv_counts(size, 0);
   recv_counts[root] = nbytes(out);
-  at::Tensor flat;
-  std::vector<at::Tensor> ins;
-  if (is_root) {
-    TORCH_CHECK_VALUE(
-        inputs.size() == 1, "ccl ", op, ": the root expects one scatter_list, got ", inputs.size());
-    check_list(op, inputs[0], out, size, "scatter_list");
-    TORCH_CHECK_VALUE(
-        inputs[0][root].numel() == out.numel(), "ccl ", op, ": scatter_list[", root,
-        "] has ", inputs[0][root].numel(), " elements but the output has ", out.numel());
-    ins = inputs[0];
-    send_counts = byte_counts(ins);
-    std::vector<at::Tensor> bytes;
-    for (const auto& t : ins) {
-      bytes.push_back(as_bytes(t));
-    }
-    flat = at::cat(bytes);
-  } else {
-    TORCH_CHECK_VALUE(
-        inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), "ccl ", op,
-        ": only the root (rank ", root, ") passes a scatter_list");
-    flat = at::empty({0}, out.options().dtype(at::kByte));
-  }
+  at::Tensor flat = pack_bytes(ins, out.options());
   Call call{kScatter, pick_timeout(opts.timeout, timeout_), ins, {out}, {flat}};
   return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
     events.push_back(
@@ -669,23 +674,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::alltoall(
   check_list(op, outputs, inputs[0], size, "output_tensor_list");
   auto send_counts = byte_counts(inputs);
   auto recv_counts = byte_counts(outputs);
-  std::vector<at::Tensor> bytes;
-  for (const auto& t : inputs) {
-    bytes.push_back(as_bytes(t));
-  }
-  at::Tensor send = at::cat(bytes);
-  at::Tensor recv = at::empty(
-      {static_cast<int64_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0}))},
-      send.options());
+  at::Tensor send = pack_bytes(inputs, inputs[0].options());
+  at::Tensor recv = at::empty({static_cast<int64_t>(total(recv_counts))}, send.options());
   Call call{kAlltoall, pick_timeout(opts.timeout, timeout_), inputs, outputs, {send, recv}};
-  call.on_success = [recv, outs = outputs]() mutable {
-    int64_t offset = 0;
-    for (auto& t : outs) {
-      const auto n = static_cast<int64_t>(nbytes(t));
-      as_bytes(t).copy_(recv.narrow(0, offset, n));
-      offset += n;
-    }
-  };
+  call.on_success = [recv, outs = outputs]() mutable { unpack_bytes(recv, outs); };
   return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
     events.push_back(
         ccl::alltoallv(ptr(send), send_counts, ptr(recv), recv_counts, kByteType, comm));

@@ -112,3 +112,12 @@ def test_setvars_refuses_to_run_and_documents_itself():
     helptext = subprocess.run(["bash", "-c", f'. "{SETVARS}" --help'], capture_output=True, text=True).stdout
     for var in ("PATH", "I_MPI_ROOT", "CCL_ROOT", "FI_PROVIDER_PATH"):
         assert var in helptext
+
+
+def test_build_names_a_missing_oneccl_and_how_to_get_it(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "CCL_ROOT": str(tmp_path)})
+    assert proc.returncode != 0
+    for needle in ("oneCCL not found under", str(tmp_path), "libccl.a", "pip install oneccl-devel==2022.1.2"):
+        assert needle in proc.stderr, proc.stderr

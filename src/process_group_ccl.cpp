@@ -21,7 +21,7 @@ constexpr OpInfo kAllreduceCoalesced{
 constexpr OpInfo kReduce{OpType::REDUCE, "reduce", "pg::reduce"};
 constexpr OpInfo kAllgather{OpType::ALLGATHER, "allgather", "pg::allgather"};
 constexpr OpInfo kAllgatherBase{
-    OpType::_ALLGATHER_BASE, "all_gather_into_tensor", "pg::all_gather_into_tensor"};
+    OpType::_ALLGATHER_BASE, "all_gather_single", "pg::all_gather_single"};
 constexpr OpInfo kAllgatherCoalesced{
     OpType::ALLGATHER_COALESCED, "allgather_coalesced", "pg::allgather_coalesced"};
 constexpr OpInfo kAllgatherIntoTensorCoalesced{
@@ -31,7 +31,7 @@ constexpr OpInfo kGather{OpType::GATHER, "gather", "pg::gather"};
 constexpr OpInfo kScatter{OpType::SCATTER, "scatter", "pg::scatter"};
 constexpr OpInfo kReduceScatter{OpType::REDUCE_SCATTER, "reduce_scatter", "pg::reduce_scatter"};
 constexpr OpInfo kReduceScatterBase{
-    OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", "pg::reduce_scatter_tensor"};
+    OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_single", "pg::reduce_scatter_single"};
 constexpr OpInfo kReduceScatterTensorCoalesced{
     OpType::REDUCE_SCATTER_TENSOR_COALESCED, "reduce_scatter_tensor_coalesced",
     "pg::reduce_scatter_tensor_coalesced"};

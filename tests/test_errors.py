@@ -28,10 +28,10 @@ def _bad_inputs(rank, world):
         "meta tensor": (lambda: pg.allreduce([meta]).wait(), ["allreduce", "meta", "CPU"]),
         "meta tensor broadcast": (lambda: pg.broadcast([meta]).wait(), ["broadcast", "meta"]),
         "output too small": (
-            lambda: dist.all_gather_single(torch.empty(3), torch.ones(2)), ["all_gather_into_tensor", "elements"]),
+            lambda: dist.all_gather_single(torch.empty(3), torch.ones(2)), ["all_gather_single", "elements"]),
         "reduce_scatter_tensor sizes": (
             lambda: dist.reduce_scatter_single(torch.empty(2), torch.ones(2 * world + 1)),
-            ["reduce_scatter_tensor", "elements"]),
+            ["reduce_scatter_single", "elements"]),
         "gather list length": (
             # every rank errs (the root's list is short, the others pass one): an
             # error on one rank only would leave its peers inside the collective.
@@ -66,7 +66,7 @@ def _bad_inputs(rank, world):
         "float8 reduce": (
             lambda: dist.reduce_scatter_single(torch.empty(1, dtype=torch.float8_e4m3fn),
                                                torch.zeros(world, dtype=torch.float8_e4m3fn)),
-            ["reduce_scatter_tensor", "float8"]),
+            ["reduce_scatter_single", "float8"]),
         "recv from any source": (lambda: dist.recv(torch.empty(2)), ["recv", "any source"]),
         "monitored_barrier": (lambda: dist.monitored_barrier(), ["monitored_barrier"]),
     }

@@ -121,3 +121,19 @@ def test_build_names_a_missing_oneccl_and_how_to_get_it(tmp_path):
     assert proc.returncode != 0
     for needle in ("oneCCL not found under", str(tmp_path), "libccl.a", "pip install oneccl-devel==2022.1.2"):
         assert needle in proc.stderr, proc.stderr
+
+
+def test_doctor_selftest_passes_and_flags_problems(tmp_path):
+    bindir = os.path.dirname(sys.executable)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("CCL_", "FI_", "I_MPI_"))}
+    ok = subprocess.run([sys.executable, "-m", "oneccl_bind_pt.doctor", "--selftest"], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=300, env={**base, "PATH": f"{bindir}:/usr/bin:/bin"})
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "(built against 2.13.0+cpu: match)" in ok.stdout
+    assert "self-test        PASS" in ok.stdout
+    assert "CCL_WORKER_OFFLOAD=0" in ok.stdout  # the defaults it applied are shown
+    # mpirun installed but not on PATH: a problem, with the fix.
+    bad = subprocess.run([sys.executable, "-m", "oneccl_bind_pt.doctor"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, env={**base, "PATH": "/usr/bin:/bin"})
+    assert bad.returncode == 1
+    assert "mpirun is not on PATH: source" in bad.stderr and "setvars.sh" in bad.stderr

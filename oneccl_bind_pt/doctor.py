@@ -1,0 +1,140 @@
+"""What to paste into a bug report: versions, libraries, environment, launcher, self-test.
+
+    python -m oneccl_bind_pt.doctor [--selftest]
+
+Exits non-zero when something is wrong, with the fix in the message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+import oneccl_bind_pt
+from oneccl_bind_pt import _C, _env
+
+VARIABLE_PREFIXES = ("CCL_", "I_MPI_", "FI_")
+
+
+def _loaded_library(fragment: str) -> str | None:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if fragment in os.path.basename(path):
+                return path
+    return None
+
+
+def _libfabric() -> str | None:
+    # oneCCL dlopens it through the extension's RUNPATH: <prefix>/lib.
+    candidate = os.path.normpath(os.path.join(oneccl_bind_pt.cwd, "..", "..", "..", "libfabric.so.1"))
+    return candidate if os.path.exists(candidate) else _loaded_library("libfabric")
+
+
+def _mpirun() -> str | None:
+    found = shutil.which("mpirun")
+    if found:
+        return found
+    beside = os.path.join(sys.prefix, "bin", "mpirun")
+    return beside if os.path.exists(beside) else None
+
+
+def _selftest_rank(rank, world, store_path, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("ccl", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    t = torch.full((1024,), float(rank + 1))
+    dist.all_reduce(t)
+    ok = t[0].item() == world * (world + 1) / 2
+    out = torch.empty(2 * world)
+    dist.all_gather_single(out, torch.full((2,), float(rank)))
+    ok = ok and out.tolist() == [float(r) for r in range(world) for _ in range(2)]
+    b = torch.full((3,), float(rank))
+    dist.broadcast(b, src=world - 1)
+    ok = ok and b.tolist() == [float(world - 1)] * 3
+    results.put((rank, ok, dict(_env.applied)))
+    dist.destroy_process_group()
+
+
+def selftest(world: int = 2) -> tuple[bool, str, dict]:
+    """Runs allreduce, all_gather_single and broadcast on `world` fresh processes."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_selftest_rank, args=(r, world, os.path.join(tmp, "store"), results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        got = {}
+        try:
+            for _ in range(world):
+                rank, ok, applied = results.get(timeout=120)
+                got[rank] = (ok, applied)
+        except Exception:  # noqa: BLE001 - a rank died or hung; reported below
+            pass
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    took = time.monotonic() - start
+    if len(got) < world:
+        codes = [p.exitcode for p in procs]
+        return False, f"{world - len(got)} of {world} ranks never reported (exit codes {codes})", {}
+    if not all(ok for ok, _ in got.values()):
+        return False, "a collective returned a wrong result", got[0][1]
+    return True, f"allreduce, all_gather_single, broadcast correct on {world} ranks in {took:.1f} s", got[0][1]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m oneccl_bind_pt.doctor", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--selftest", action="store_true", help="also run collectives on 2 local ranks")
+    args = parser.parse_args(argv)
+
+    from oneccl_bind_pt._build_info import TORCH_BUILT_WITH
+
+    problems = []
+    print(f"oneccl_bind_pt   {oneccl_bind_pt.__version__}  ({oneccl_bind_pt.cwd})")
+    print(f"python           {sys.version.split()[0]}  ({sys.executable})")
+    print(f"torch            {torch.__version__}  (built against {TORCH_BUILT_WITH}: "
+          f"{'match' if torch.__version__ == TORCH_BUILT_WITH else 'MISMATCH'})")
+    print(f"oneCCL           built with {_C.ccl_build_version}, running {_C.ccl_runtime_version()}")
+    hwloc, fabric, mpirun = _loaded_library("libhwloc"), _libfabric(), _mpirun()
+    print(f"hwloc            {hwloc or 'NOT FOUND'}")
+    print(f"libfabric        {fabric or 'NOT FOUND'}")
+    print(f"mpirun           {mpirun or 'not found (only needed for mpirun launches)'}")
+    if not fabric:
+        problems.append("libfabric is missing: pip install impi-rt==2021.18.1 (oneCCL loads it at the first group)")
+    if mpirun and not shutil.which("mpirun"):
+        problems.append(f"mpirun is not on PATH: source {oneccl_bind_pt.cwd}/env/setvars.sh")
+
+    launcher = _env.map_launcher_env(dict(os.environ))
+    print(f"launcher         {launcher}")
+    mine = {k: v for k, v in sorted(os.environ.items()) if k.startswith(VARIABLE_PREFIXES)}
+    print("environment      " + (", ".join(f"{k}={v}" for k, v in mine.items()) or "no CCL_/I_MPI_/FI_ variables set"))
+
+    if args.selftest:
+        ok, what, applied = selftest()
+        if applied:
+            print("defaults applied " + ", ".join(f"{k}={v}" for k, v in sorted(applied.items())))
+        print(f"self-test        {'PASS' if ok else 'FAIL'}: {what}")
+        if not ok:
+            problems.append("the self-test failed: rerun with CCL_LOG_LEVEL=info and include the output in the report")
+    for p in problems:
+        print(f"PROBLEM: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

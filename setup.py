@@ -78,7 +78,7 @@ def make_extension():
             for ext in self.extensions:
                 path = self.get_ext_fullpath(ext.name)
                 out = subprocess.run(
-                    ["nm", "-D", "--undefined-only", path], capture_output=True, text=True, check=True
+                    [os.environ.get("NM", "nm"), "-D", "--undefined-only", path], capture_output=True, text=True, check=True
                 ).stdout
                 bad = sorted({line.split()[-1] for line in out.splitlines() if "_ZN3ccl" in line})
                 if bad:
@@ -109,13 +109,27 @@ def make_extension():
 
 ext_modules, cmdclass = make_extension()
 
-setup(
-    version=VERSION_INFO["__version__"],
-    packages=["oneccl_bind_pt", "oneccl_bindings_for_pytorch", "torch_ccl"],
-    package_data={"oneccl_bind_pt": ["env/*.sh"]},
+# A conda build gets torch, hwloc and Intel MPI from conda packages (recipe/), so
+# its metadata names only torch, with the same minor pin as the conda package.
+if os.environ.get("CONDA_BUILD"):
+    _torch_minor = ".".join(VERSION_INFO["TORCH_VERSION"].split(".")[:2])
+    install_requires = [f"torch>={VERSION_INFO['TORCH_VERSION']},=={_torch_minor}.*"]
+else:
     # Run time needs torch, hwloc (tcmlib) and libfabric + mpirun (impi-rt);
     # oneCCL itself is linked in statically.
-    install_requires=[f"torch=={VERSION_INFO['TORCH_VERSION']}", "impi-rt==2021.18.1", "tcmlib==1.6.0"],
+    install_requires = [
+        f"torch=={VERSION_INFO['TORCH_VERSION']}",
+        f"impi-rt=={VERSION_INFO['IMPI_RT_VERSION']}",
+        f"tcmlib=={VERSION_INFO['TCMLIB_VERSION']}",
+    ]
+
+setup(
+    version=VERSION_INFO["__version__"],
+    packages=["oneccl_bind_pt", "oneccl_bind_pt.env", "oneccl_bindings_for_pytorch", "torch_ccl"],
+    # env/ (setvars.sh, conda activation) ships inside the package: <cwd>/env/setvars.sh.
+    package_dir={"oneccl_bind_pt.env": "env"},
+    package_data={"oneccl_bind_pt.env": ["*.sh", "conda/*.sh"]},
+    install_requires=install_requires,
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -14,6 +14,11 @@ from ._version import TORCH_VERSION as _TORCH_VERSION
 cwd = os.path.dirname(os.path.abspath(__file__))
 
 
+def _same_minor(a, b):
+    """torch keeps its C++ ABI within a minor release (the conda package pins x.y)."""
+    return a.split("+")[0].split(".")[:2] == b.split("+")[0].split(".")[:2]
+
+
 def _check_torch():
     import torch
 
@@ -21,7 +26,7 @@ def _check_torch():
         from ._build_info import TORCH_BUILT_WITH
     except ImportError:  # a source tree nobody built
         TORCH_BUILT_WITH = _TORCH_VERSION
-    if torch.__version__ != TORCH_BUILT_WITH:
+    if not _same_minor(torch.__version__, TORCH_BUILT_WITH):
         raise ImportError(
             f"oneccl_bind_pt {__version__} was built against torch {TORCH_BUILT_WITH}, "
             f"but torch {torch.__version__} is installed. Install the matching torch "

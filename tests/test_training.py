@@ -43,35 +43,3 @@ def _ddp_matches_gloo(rank, world):
 def test_ddp_matches_gloo():
     assert all(run_ranks(_ddp_matches_gloo, 2))
     assert all(run_ranks(_ddp_matches_gloo, 3))
-
-
-def _fsdp_matches_one_process(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    model = _mlp()
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    reference = _mlp()  # the same model trained on the whole batch in this process
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
-    gen = torch.Generator().manual_seed(99)
-    for _ in range(4):
-        x, y = torch.randn(4 * world, 16, generator=gen), torch.randn(4 * world, 4, generator=gen)
-        mine = slice(4 * rank, 4 * rank + 4)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
-        ref_opt.step()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-6)
-    return True
-
-
-def test_fsdp_trains_like_one_process():
-    assert all(run_ranks(_fsdp_matches_one_process, 2))

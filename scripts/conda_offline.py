@@ -463,7 +463,7 @@ def smoke(prefix, work):
     if run.returncode:
         sys.exit(f"smoke run in the conda environment failed (exit {run.returncode})")
     # Same seed and data under both launchers: one checksum from all four ranks.
-    found = {launcher: re.findall(r"rank (\d) parameter checksum (\S+)", (work / f"{launcher}.out").read_text())
+    found = {launcher: re.findall(r"rank (\d) parameter checksum (-?\d+\.\d+)", (work / f"{launcher}.out").read_text())
              for launcher in ("mpirun", "torchrun")}
     if any(sorted(r for r, _ in v) != ["0", "1"] for v in found.values()) or \
             len({s for v in found.values() for _, s in v}) != 1:

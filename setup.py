@@ -125,10 +125,11 @@ else:
 
 setup(
     version=VERSION_INFO["__version__"],
-    packages=["oneccl_bind_pt", "oneccl_bind_pt.env", "oneccl_bindings_for_pytorch", "torch_ccl"],
+    packages=["oneccl_bind_pt", "oneccl_bind_pt.env", "oneccl_bind_pt.env.conda",
+              "oneccl_bindings_for_pytorch", "torch_ccl"],
     # env/ (setvars.sh, conda activation) ships inside the package: <cwd>/env/setvars.sh.
-    package_dir={"oneccl_bind_pt.env": "env"},
-    package_data={"oneccl_bind_pt.env": ["*.sh", "conda/*.sh"]},
+    package_dir={"oneccl_bind_pt.env": "env", "oneccl_bind_pt.env.conda": "env/conda"},
+    package_data={"oneccl_bind_pt.env": ["*.sh"], "oneccl_bind_pt.env.conda": ["*.sh"]},
     install_requires=install_requires,
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -18,9 +18,9 @@ import time
 import torch
 
 import oneccl_bind_pt
-from oneccl_bind_pt import _C, _env
+from oneccl_bind_pt import _C, _env, _version
 
-VARIABLE_PREFIXES = ("CCL_", "I_MPI_", "FI_")
+VARIABLE_PREFIXES = ("CCL_", "I_MPI_", "FI_", "LD_LIBRARY_PATH")
 
 
 def _loaded_library(fragment: str) -> str | None:
@@ -36,6 +36,15 @@ def _libfabric() -> str | None:
     # oneCCL dlopens it through the extension's RUNPATH: <prefix>/lib.
     candidate = os.path.normpath(os.path.join(oneccl_bind_pt.cwd, "..", "..", "..", "libfabric.so.1"))
     return candidate if os.path.exists(candidate) else _loaded_library("libfabric")
+
+
+def _shadowing_libfabric(ours: str | None) -> str | None:
+    """A libfabric.so.1 that LD_LIBRARY_PATH (searched before RUNPATH) would load instead of ours."""
+    for d in filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":")):
+        found = os.path.join(d, "libfabric.so.1")
+        if os.path.exists(found):
+            return None if ours and os.path.realpath(found) == os.path.realpath(ours) else found
+    return None
 
 
 def _mpirun() -> str | None:
@@ -115,7 +124,13 @@ def main(argv=None) -> int:
     print(f"libfabric        {fabric or 'NOT FOUND'}")
     print(f"mpirun           {mpirun or 'not found (only needed for mpirun launches)'}")
     if not fabric:
-        problems.append("libfabric is missing: pip install impi-rt==2021.18.1 (oneCCL loads it at the first group)")
+        problems.append(f"libfabric is missing: pip install impi-rt=={_version.IMPI_RT_VERSION} (conda: conda "
+                        "install impi_rt); oneCCL loads it at the first group")
+    shadow = _shadowing_libfabric(fabric)
+    if shadow:
+        problems.append(f"LD_LIBRARY_PATH puts another libfabric first ({shadow}); oneCCL would load it instead "
+                        f"of {fabric} and may find no provider: remove {os.path.dirname(shadow)} from "
+                        "LD_LIBRARY_PATH for this job")
     if mpirun and not shutil.which("mpirun"):
         problems.append(f"mpirun is not on PATH: source {oneccl_bind_pt.cwd}/env/setvars.sh")
 

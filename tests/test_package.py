@@ -3,6 +3,7 @@
 import importlib.metadata
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 
@@ -137,3 +138,32 @@ def test_doctor_selftest_passes_and_flags_problems(tmp_path):
                          capture_output=True, text=True, timeout=120, env={**base, "PATH": "/usr/bin:/bin"})
     assert bad.returncode == 1
     assert "mpirun is not on PATH: source" in bad.stderr and "setvars.sh" in bad.stderr
+    # Another libfabric first on LD_LIBRARY_PATH would be loaded instead of the environment's.
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "libfabric.so.1").write_bytes(b"")
+    shadow = subprocess.run([sys.executable, "-m", "oneccl_bind_pt.doctor"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120,
+                            env={**base, "PATH": f"{bindir}:/usr/bin:/bin", "LD_LIBRARY_PATH": str(tmp_path / "other")})
+    assert shadow.returncode == 1
+    assert f"LD_LIBRARY_PATH puts another libfabric first ({tmp_path / 'other' / 'libfabric.so.1'})" in shadow.stderr
+
+
+@pytest.mark.parametrize("shell", [s for s in ("bash", "dash", "zsh") if shutil.which(s)])
+def test_conda_activation_sets_and_deactivation_restores(shell, tmp_path):
+    """etc/conda/activate.d + deactivate.d scripts, as conda runs them (sourced, CONDA_PREFIX set)."""
+    conda = os.path.join(oneccl_bind_pt.cwd, "env", "conda")
+    script = f"""
+export CONDA_PREFIX="{tmp_path}" CCL_ROOT=/user/ccl FI_PROVIDER_PATH=/user/prov
+unset I_MPI_ROOT
+. "{conda}/activate.sh"
+echo "on $I_MPI_ROOT $CCL_ROOT $FI_PROVIDER_PATH"
+. "{conda}/deactivate.sh"
+echo "off ${{I_MPI_ROOT-unset}} ${{CCL_ROOT-unset}} ${{FI_PROVIDER_PATH-unset}} $(env | grep -c '^_OBP_')"
+unset FI_PROVIDER_PATH
+. "{conda}/activate.sh"
+echo "fresh $FI_PROVIDER_PATH"
+"""
+    out = subprocess.run([shell, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == f"on {tmp_path} {tmp_path} /user/prov"
+    assert out[1] == "off unset /user/ccl /user/prov 0"
+    assert out[2] == f"fresh {tmp_path}/lib"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import signal
+import subprocess
 import tempfile
 import time
 import traceback
@@ -19,6 +21,23 @@ import torch.multiprocessing as mp
 
 class RankFailure(AssertionError):
     pass
+
+
+def run_job(cmd, cwd, env, timeout=180):
+    """Runs a launcher (torchrun, mpirun, ...) and returns its output; fails on a non-zero exit.
+    It gets its own session so a timeout kills the ranks too, not only the launcher."""
+    cmd = [str(c) for c in cmd]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} did not finish within {timeout} s:\n{stdout}{stderr}") from None
+    out = stdout + stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{out}"
+    return out
 
 
 def _entry(fn, rank, world, store_path, results, args, env, pg_timeout):

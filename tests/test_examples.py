@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from harness import run_job
 from test_launchers import BIN, ROOT, free_port
 
 EXAMPLES = ROOT / "examples"
@@ -26,11 +27,7 @@ def _env(**extra):
 
 
 def _run(cmd, cwd, timeout=180, **env):
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{out}"
-    return out
+    return run_job(cmd, cwd, _env(**env), timeout)
 
 
 def _example(name):

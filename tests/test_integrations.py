@@ -2,14 +2,21 @@
 
 The look-ups those libraries (and DeepSpeed's CPU accelerator) make to find
 oneCCL's bindings, then examples/hf_trainer.py: a Trainer run on 2 ranks under
-torchrun and mpirun, checked against the same run on gloo.
+torchrun and mpirun, checked against the same run on gloo. Last, the same
+example with the last releases that still ask for "ccl" by name (Transformers
+4.57, Accelerate 1.12), installed into a cached directory that shadows the
+newer ones through PYTHONPATH.
 """
 
+import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +24,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from harness import run_job  # noqa: E402
 from test_launchers import BIN, ROOT, checksums, free_port  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
@@ -58,10 +66,7 @@ def launch(cmd, cwd, env=None, timeout=240):
                 "PMI_RANK", "PMI_SIZE"):
         full_env.pop(var, None)
     full_env.update(HF_HUB_OFFLINE="1", HF_HOME=str(Path(cwd) / "hf"), **(env or {}))
-    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{out}"
-    return out
+    return run_job(cmd, cwd, full_env, timeout)
 
 
 def torchrun(cwd, *args):
@@ -70,7 +75,9 @@ def torchrun(cwd, *args):
 
 def results(out, backend):
     """The example's per-rank report, checked for a real 2-rank DDP run on `backend`."""
-    runs = re.findall(r"rank (\d+) backend (\S+) world (\d+) ddp (\w+)", out)
+    # Ranks share one pipe and a line's newline may be written apart from it: match each
+    # value exactly, or "True" can run into the other rank's next "rank".
+    runs = re.findall(r"rank (\d+) backend (\S+) world (\d+) ddp (True|False)", out)
     assert sorted(runs) == [("0", backend, "2", "True"), ("1", backend, "2", "True")], out
     digests = dict(re.findall(r"rank (\d+) parameter digest ([0-9a-f]{16})", out))
     assert len(digests) == 2 and len(set(digests.values())) == 1, f"ranks' parameters differ: {digests}\n{out}"
@@ -119,3 +126,85 @@ def test_trainer_torchrun_matches_gloo(tmp_path, gloo_checksum):
 def test_trainer_mpirun_matches_gloo(tmp_path, gloo_checksum):
     out = launch([BIN / "mpirun", "-n", "2", sys.executable, EXAMPLE], tmp_path, env={"MASTER_PORT": str(free_port())})
     assert results(out, "ccl") == pytest.approx(gloo_checksum, rel=1e-7)
+
+
+# The last releases whose Trainer passes ddp_backend="ccl" on to Accelerate, and the
+# versions they check for at import (transformers/dependency_versions_table.py:
+# huggingface-hub < 1.0, tokenizers <= 0.23.0; hub 0.x imports requests).
+LEGACY_PINS = (
+    "transformers==4.57.6", "accelerate==1.12.0", "huggingface-hub==0.36.2", "tokenizers==0.22.2",
+    "requests==2.32.5", "urllib3==2.5.0", "charset-normalizer==3.4.4", "certifi==2025.10.5",
+)
+# Accelerate 1.12 keeps "ccl" on CPU only when CCL_WORKER_COUNT > 0; with it set, the
+# package leaves oneCCL's busy-polling worker on unless CCL_WORKER_OFFLOAD=0.
+LEGACY_ENV = {"CCL_WORKER_COUNT": "1", "CCL_WORKER_OFFLOAD": "0"}
+
+LEGACY_PROBE = r"""
+import json, os
+import transformers, accelerate
+os.environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2")
+os.environ.pop("CCL_WORKER_COUNT", None)
+from accelerate import PartialState
+try:
+    PartialState(cpu=True, backend="ccl")
+    refusal = None
+except ValueError as e:
+    refusal = str(e)
+print("PROBE " + json.dumps({"versions": [transformers.__version__, accelerate.__version__], "refusal": refusal}))
+"""
+
+
+@pytest.fixture(scope="module")
+def legacy_overlay(tmp_path_factory):
+    """A directory holding LEGACY_PINS, reused across runs (keyed on the pins and the interpreter)."""
+    key = "\n".join((*LEGACY_PINS, sys.implementation.cache_tag, sys.platform, os.uname().machine))
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "oneccl_bind_pt"
+    overlay = cache / f"hf-legacy-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if not overlay.is_dir():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=".hf-legacy-", dir=cache))
+        try:
+            start = time.monotonic()
+            proc = subprocess.run(
+                [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "-q",
+                 "--target", partial, *LEGACY_PINS],
+                cwd=tmp_path_factory.mktemp("pip"), capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, f"installing {LEGACY_PINS} failed:\n{proc.stdout}{proc.stderr}"
+            print(f"legacy overlay installed in {time.monotonic() - start:.1f} s: {overlay}")
+            try:
+                partial.rename(overlay)  # only a complete install gets the final name
+            except OSError:
+                if not overlay.is_dir():  # else a concurrent run finished first: use its copy
+                    raise
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    return overlay
+
+
+def legacy_launch(overlay, cwd, cmd, env=None):
+    path = os.pathsep.join(filter(None, (str(overlay), os.environ.get("PYTHONPATH"))))
+    return launch(cmd, cwd, env={"PYTHONPATH": path, **(env or {})})
+
+
+def test_legacy_accelerate_wants_worker_count(legacy_overlay, tmp_path):
+    out = legacy_launch(legacy_overlay, tmp_path, [sys.executable, "-c", LEGACY_PROBE])
+    probe = json.loads(re.search(r"^PROBE (.*)$", out, re.M).group(1))
+    assert probe["versions"] == ["4.57.6", "1.12.0"], probe
+    # Without CCL_WORKER_COUNT, Accelerate 1.12 swaps ccl for gloo and refuses the name.
+    assert "backend ccl is not available, please use gloo" in (probe["refusal"] or ""), probe
+
+
+def test_trainer_by_name_legacy_matches_gloo(legacy_overlay, tmp_path):
+    """TrainingArguments(ddp_backend=...) with the library creating the process group."""
+    def run(backend, cwd):
+        cwd.mkdir()
+        cmd = [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), EXAMPLE,
+               "--by-name", "--backend", backend]
+        out = legacy_launch(legacy_overlay, cwd, cmd, env=LEGACY_ENV)
+        versions = set(re.findall(r"rank \d+ transformers (\S+) accelerate (\d+\.\d+\.\d+)", out))
+        assert versions == {("4.57.6", "1.12.0")}, f"the overlay did not shadow the installed versions:\n{out}"
+        return out
+
+    gloo = results(run("gloo", tmp_path / "gloo"), "gloo")
+    ccl = results(run("ccl", tmp_path / "ccl"), "ccl")
+    assert ccl == pytest.approx(gloo, rel=1e-7)

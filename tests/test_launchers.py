@@ -3,11 +3,12 @@
 import os
 import re
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from harness import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -25,10 +26,7 @@ def run(cmd, timeout=180, env=None):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE"):
         if env is None or var not in env:
             full_env.pop(var, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{out}"
-    return out
+    return run_job(cmd, ROOT, full_env, timeout)
 
 
 def checksums(out, world):

@@ -5,9 +5,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$python" -m venv .venv
+if ! command -v "$python" >/dev/null 2>&1; then
+    echo "setup: $python not found; install Python 3.11 or set PYTHON to an interpreter" >&2
+    exit 2
 fi
+# Creates .venv, or repairs one that cannot work here (a dangling link, a moved
+# interpreter, another Python version); stops on anything that is not a venv.
+"$python" scripts/ensure_venv.py .venv
 # torch is pinned: an unpinned torch would pull the CUDA build.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
 # --no-build-isolation: build against the torch in .venv, the one it will run with.

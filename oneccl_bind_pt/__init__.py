@@ -48,8 +48,10 @@ except ImportError as e:
         "installed package is imported; otherwise reinstall: pip install --no-build-isolation ."
     ) from e
 from ._env import apply_ccl_defaults as _apply_ccl_defaults  # noqa: E402
+from .errors import ArgumentError, ArgumentTypeError  # noqa: E402
 from ._env import map_launcher_env as _map_launcher_env  # noqa: E402
 
+_C._register_error_types(ArgumentError, ArgumentTypeError)
 ProcessGroupCCL = _C.ProcessGroupCCL
 launcher = _map_launcher_env()
 _defaults_applied = False
@@ -70,4 +72,4 @@ _dist.ProcessGroupCCL = ProcessGroupCCL
 
 atexit.register(_C._shutdown)
 
-__all__ = ["ProcessGroupCCL", "__version__", "cwd", "launcher"]
+__all__ = ["ArgumentError", "ArgumentTypeError", "ProcessGroupCCL", "__version__", "cwd", "launcher"]

@@ -1,5 +1,6 @@
 #include "communicator.hpp"
 
+#include "errors.hpp"
 #include "rendezvous.hpp"
 
 #include <c10/util/Exception.h>
@@ -24,7 +25,7 @@ Communicator::Communicator(
     int size,
     std::chrono::milliseconds timeout)
     : rank_(rank), size_(size) {
-  TORCH_CHECK_VALUE(
+  CCL_CHECK_ARG(
       size > 0 && rank >= 0 && rank < size, "ccl: invalid rank ", rank,
       " for a process group of size ", size);
   ensure_ccl_initialized();

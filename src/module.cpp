@@ -1,5 +1,6 @@
 // Registration: the Python extension module `oneccl_bind_pt._C`.
 // The Python package registers the backend with torch.distributed on import.
+#include "errors.hpp"
 #include "process_group_ccl.hpp"
 #include "raw.hpp"
 #include "work.hpp"
@@ -10,6 +11,29 @@
 namespace py = pybind11;
 
 namespace {
+
+// oneccl_bind_pt.errors' classes, set once by the package's __init__.
+PyObject* g_argument_error = nullptr;
+PyObject* g_argument_type_error = nullptr;
+
+// Our argument errors reach Python as oneccl_bind_pt.errors' classes. pybind11
+// tries the translators registered last first, so this runs before torch's,
+// which would make them plain DistBackendErrors.
+void register_error_types(py::object value_error, py::object type_error) {
+  g_argument_error = value_error.release().ptr();
+  g_argument_type_error = type_error.release().ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) {
+        std::rethrow_exception(p);
+      }
+    } catch (const oneccl_bind_pt::ArgumentError& e) {
+      PyErr_SetString(g_argument_error, e.what_without_backtrace());
+    } catch (const oneccl_bind_pt::ArgumentTypeError& e) {
+      PyErr_SetString(g_argument_type_error, e.what_without_backtrace());
+    }
+  });
+}
 
 std::string runtime_ccl_version() {
   const auto v = ccl::get_library_version();
@@ -56,6 +80,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("iters"),
       py::call_guard<py::gil_scoped_release>(),
       "Per-call seconds of oneCCL alone on pg's communicator (the benchmark's baseline).");
+  m.def(
+      "_register_error_types",
+      &register_error_types,
+      py::arg("value_error"),
+      py::arg("type_error"),
+      "Maps the backend's argument errors to these Python classes (called once on import).");
   m.def("ccl_runtime_version", &runtime_ccl_version, "oneCCL version loaded at run time.");
   m.attr("ccl_build_version") = std::to_string(CCL_MAJOR_VERSION) + "." +
       std::to_string(CCL_MINOR_VERSION) + "." + std::to_string(CCL_UPDATE_VERSION);

@@ -1,5 +1,6 @@
 #include "process_group_ccl.hpp"
 
+#include "errors.hpp"
 #include "dtypes.hpp"
 #include "reduce_ops.hpp"
 
@@ -61,21 +62,21 @@ at::Tensor as_bytes(const at::Tensor& t) {
 // `dense_ok`: element-wise ops accept any non-overlapping dense layout, as
 // every rank holds the same layout; ops that slice need row-major order.
 void check_tensor(const char* op, const at::Tensor& t, const std::string& what, bool dense_ok = false) {
-  TORCH_CHECK_VALUE(t.defined(), "ccl ", op, ": ", what, " is undefined");
-  TORCH_CHECK_VALUE(
+  CCL_CHECK_ARG(t.defined(), "ccl ", op, ": ", what, " is undefined");
+  CCL_CHECK_ARG(
       t.device().is_cpu(), "ccl ", op, ": ", what, " is on device '", t.device(),
       "'; the ccl backend works on CPU tensors (move it with .cpu())");
-  TORCH_CHECK_VALUE(
+  CCL_CHECK_ARG(
       t.layout() == at::kStrided, "ccl ", op, ": ", what, " has layout ", t.layout(),
       "; expected a dense (strided) tensor");
   const bool ok = dense_ok ? t.is_non_overlapping_and_dense() : t.is_contiguous();
-  TORCH_CHECK_VALUE(
+  CCL_CHECK_ARG(
       ok, "ccl ", op, ": ", what, " is not contiguous (sizes ", t.sizes(), ", strides ",
       t.strides(), "); pass tensor.contiguous()");
 }
 
 const at::Tensor& single(const char* op, const std::vector<at::Tensor>& tensors, bool dense_ok = false) {
-  TORCH_CHECK_VALUE(
+  CCL_CHECK_ARG(
       tensors.size() == 1, "ccl ", op, ": expected exactly one tensor, got ", tensors.size(),
       " (one process drives one CPU device)");
   check_tensor(op, tensors[0], "tensor", dense_ok);
@@ -83,13 +84,13 @@ const at::Tensor& single(const char* op, const std::vector<at::Tensor>& tensors,
 }
 
 void check_rank(const char* op, const char* what, int64_t r, int size) {
-  TORCH_CHECK_VALUE(
-      r >= 0 && r < size, "ccl ", op, ": ", what, " ", r,
+  CCL_CHECK_ARG(
+      r >= 0 && r < size, "ccl ", op, ": invalid ", what, ": ", r,
       " is out of range for a process group of size ", size, " (expected 0..", size - 1, ")");
 }
 
 void check_same_dtype(const char* op, const at::Tensor& t, const at::Tensor& ref, const std::string& what) {
-  TORCH_CHECK_TYPE(
+  CCL_CHECK_TYPE(
       t.scalar_type() == ref.scalar_type(), "ccl ", op, ": ", what, " has dtype ",
       dtype_name(t.scalar_type()), " but the input has ", dtype_name(ref.scalar_type()),
       "; all tensors of one call must share a dtype");
@@ -101,7 +102,7 @@ void check_list(
     const at::Tensor& ref,
     int size,
     const char* what) {
-  TORCH_CHECK_VALUE(
+  CCL_CHECK_ARG(
       static_cast<int>(list.size()) == size, "ccl ", op, ": ", what, " has ", list.size(),
       " tensors; expected one per rank (", size, ")");
   for (size_t i = 0; i < list.size(); ++i) {
@@ -123,7 +124,7 @@ const OpInfo& check_pairs(
     bool output_is_larger) {
   const OpInfo& info = inputs.size() == 1 ? one : many;
   const char* op = info.name;
-  TORCH_CHECK_VALUE(
+  CCL_CHECK_ARG(
       !inputs.empty() && outputs.size() == inputs.size(), "ccl ", op, ": got ", outputs.size(),
       " outputs and ", inputs.size(), " inputs; expected the same non-zero number");
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -132,11 +133,15 @@ const OpInfo& check_pairs(
     check_same_dtype(op, outputs[i], inputs[i], "output");
     const auto& small = output_is_larger ? inputs[i] : outputs[i];
     const auto& large = output_is_larger ? outputs[i] : inputs[i];
-    TORCH_CHECK_VALUE(
+    // The clause after ';' is gloo's wording for the same mistake.
+    CCL_CHECK_ARG(
         large.numel() == small.numel() * size, "ccl ", op, ": output has ", outputs[i].numel(),
         " elements and input ", inputs[i].numel(), "; expected the ",
         output_is_larger ? "output" : "input", " to hold group size (", size, ") x ",
-        output_is_larger ? "input" : "output", " = ", small.numel() * size, " elements");
+        output_is_larger ? "input" : "output", " = ", small.numel() * size, " elements (",
+        output_is_larger ? "output tensor size must be equal to world_size times input tensor size"
+                         : "input tensor must be the same size as output size times world size",
+        ")");
   }
   return info;
 }
@@ -199,15 +204,15 @@ std::vector<at::Tensor> root_list(
     int size,
     const char* what) {
   if (rank != root) {
-    TORCH_CHECK_VALUE(
+    CCL_CHECK_ARG(
         lists.empty() || (lists.size() == 1 && lists[0].empty()), "ccl ", op,
         ": only the root (rank ", root, ") passes a ", what);
     return {};
   }
-  TORCH_CHECK_VALUE(
+  CCL_CHECK_ARG(
       lists.size() == 1, "ccl ", op, ": the root expects one ", what, ", got ", lists.size());
   check_list(op, lists[0], own, size, what);
-  TORCH_CHECK_VALUE(
+  CCL_CHECK_ARG(
       lists[0][root].numel() == own.numel(), "ccl ", op, ": ", what, "[", root, "] has ",
       lists[0][root].numel(), " elements but this rank's tensor has ", own.numel());
   return lists[0];
@@ -231,6 +236,7 @@ struct ProcessGroupCCL::Call {
   std::vector<at::Tensor> outputs; // Work::result() and the Future's value
   std::vector<at::Tensor> buffers = {}; // scratch memory oneCCL uses
   std::function<void()> on_success = nullptr;
+  std::vector<std::vector<at::Tensor>> nested_outputs = {}; // see WorkCCL::nested_outputs
 };
 
 ProcessGroupCCL::ProcessGroupCCL(
@@ -255,9 +261,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::run(Call&& call, Issue&& issue) 
       ": this process group is unusable after an earlier failure: ", comm_->broken_reason());
   auto work = c10::make_intrusive<WorkCCL>(
       call.op, comm_, call.inputs, std::move(call.outputs), call.timeout);
+  seq_.fetch_add(1, std::memory_order_relaxed);
   work->buffers = std::move(call.buffers);
   work->buffers.insert(work->buffers.end(), call.inputs.begin(), call.inputs.end());
   work->on_success = std::move(call.on_success);
+  work->nested_outputs = std::move(call.nested_outputs);
   auto& progress = Progress::get();
   {
     std::lock_guard<std::mutex> lock(progress.ccl_mutex());
@@ -328,7 +336,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
   const char* op = kAllreduceCoalesced.name;
-  TORCH_CHECK_VALUE(!tensors.empty(), "ccl ", op, ": got no tensors");
+  CCL_CHECK_ARG(!tensors.empty(), "ccl ", op, ": got no tensors");
   for (size_t i = 0; i < tensors.size(); ++i) {
     check_tensor(op, tensors[i], "tensors[" + std::to_string(i) + "]");
     check_same_dtype(op, tensors[i], tensors[0], "tensors[" + std::to_string(i) + "]");
@@ -443,7 +451,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter(
     const c10d::ReduceScatterOptions& opts) {
   const char* op = kReduceScatter.name;
   at::Tensor out = single(op, outputs);
-  TORCH_CHECK_VALUE(
+  CCL_CHECK_ARG(
       inputs.size() == 1, "ccl ", op, ": expected one input list, got ", inputs.size());
   check_list(op, inputs[0], out, getSize(), "input_list");
   const int size = getSize();
@@ -453,7 +461,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter(
   for (const auto& t : inputs[0]) {
     even = even && t.numel() == inputs[0][0].numel();
   }
-  TORCH_CHECK_VALUE(
+  CCL_CHECK_ARG(
       inputs[0][rank].numel() == out.numel(), "ccl ", op, ": output has ", out.numel(),
       " elements but input_list[", rank, "] (this rank's share) has ", inputs[0][rank].numel());
   at::Tensor flat = flatten_copy(inputs[0]);
@@ -501,44 +509,70 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allgather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  single(kAllgather.name, inputs);
-  TORCH_CHECK_VALUE(
-      outputs.size() == 1, "ccl allgather: expected one output list, got ", outputs.size());
-  return allgather_coalesced(outputs, inputs, opts);
+  const char* op = kAllgather.name;
+  const at::Tensor& in = single(op, inputs);
+  CCL_CHECK_ARG(
+      outputs.size() == 1, "ccl ", op, ": expected one output list, got ", outputs.size());
+  const int rank = getRank();
+  check_list(op, outputs[0], in, getSize(), "output_tensor_list");
+  CCL_CHECK_ARG(
+      outputs[0][rank].numel() == in.numel(), "ccl ", op, ": output_tensor_list[", rank,
+      "] (this rank's slot) has ", outputs[0][rank].numel(), " elements but the input has ",
+      in.numel(), " (invalid tensor size)");
+  Call call{kAllgather, pick_timeout(opts.timeout, timeout_), inputs, outputs[0]};
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    // Per-rank counts: uneven sizes gather straight into each output.
+    std::vector<void*> recv;
+    for (const auto& t : outputs[0]) {
+      recv.push_back(ptr(t));
+    }
+    events.push_back(ccl::allgatherv(
+        ptr(in), nbytes(in), recv, byte_counts(outputs[0]), kByteType, comm));
+  });
 }
 
+// output_lists[r][i] receives rank r's inputs[i] (PyTorch's layout, as gloo).
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allgather_coalesced(
-    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<std::vector<at::Tensor>>& output_lists,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  const bool single_op = inputs.size() == 1;
-  const OpInfo& info = single_op ? kAllgather : kAllgatherCoalesced;
-  const char* op = info.name;
-  TORCH_CHECK_VALUE(
-      !inputs.empty() && outputs.size() == inputs.size(), "ccl ", op, ": got ", outputs.size(),
-      " output lists for ", inputs.size(), " inputs; expected one list per input");
-  const int rank = getRank();
-  std::vector<at::Tensor> flat_outputs;
+  const char* op = kAllgatherCoalesced.name;
+  const int size = getSize();
+  CCL_CHECK_ARG(!inputs.empty(), "ccl ", op, ": requires non-empty input tensor list");
+  CCL_CHECK_ARG(
+      static_cast<int>(output_lists.size()) == size, "ccl ", op, ": got ", output_lists.size(),
+      " output lists; output lists should be equal to world size (", size,
+      "), one per rank, each with one tensor per input");
   for (size_t i = 0; i < inputs.size(); ++i) {
-    check_tensor(op, inputs[i], "input");
-    check_list(op, outputs[i], inputs[i], getSize(), "output_tensor_list");
-    TORCH_CHECK_VALUE(
-        outputs[i][rank].numel() == inputs[i].numel(), "ccl ", op, ": output_tensor_list[",
-        rank, "] (this rank's slot) has ", outputs[i][rank].numel(),
-        " elements but the input has ", inputs[i].numel());
-    flat_outputs.insert(flat_outputs.end(), outputs[i].begin(), outputs[i].end());
+    check_tensor(op, inputs[i], "input_tensor_list[" + std::to_string(i) + "]");
   }
-  Call call{info, pick_timeout(opts.timeout, timeout_), inputs, flat_outputs};
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+  std::vector<at::Tensor> flat_outputs;
+  for (int r = 0; r < size; ++r) {
+    const auto& list = output_lists[r];
+    CCL_CHECK_ARG(
+        list.size() == inputs.size(), "ccl ", op, ": output_tensor_lists[", r, "] has ",
+        list.size(), " tensors; invalid output size: (expected length ", inputs.size(),
+        ", got ", list.size(), ")");
     for (size_t i = 0; i < inputs.size(); ++i) {
-      // Per-rank counts: uneven sizes gather straight into each output.
-      std::vector<void*> recv;
-      for (const auto& t : outputs[i]) {
-        recv.push_back(ptr(t));
-      }
-      events.push_back(ccl::allgatherv(
-          ptr(inputs[i]), nbytes(inputs[i]), recv, byte_counts(outputs[i]), kByteType, comm));
+      const auto name = "output_tensor_lists[" + std::to_string(r) + "][" + std::to_string(i) + "]";
+      check_tensor(op, list[i], name);
+      check_same_dtype(op, list[i], inputs[i], name);
+      CCL_CHECK_ARG(
+          list[i].sizes() == inputs[i].sizes(), "ccl ", op, ": ", name, " has shape ",
+          list[i].sizes(), " but input_tensor_list[", i, "] has ", inputs[i].sizes(),
+          " (invalid tensor size)");
     }
+    flat_outputs.insert(flat_outputs.end(), list.begin(), list.end());
+  }
+  // One oneCCL call for all inputs: pack them, gather, unpack per rank.
+  at::Tensor send = pack_bytes(inputs, inputs[0].options());
+  at::Tensor recv = at::empty({send.numel() * size}, send.options());
+  Call call{kAllgatherCoalesced, pick_timeout(opts.timeout, timeout_), inputs, flat_outputs, {send, recv}};
+  call.on_success = [recv, outs = flat_outputs]() mutable { unpack_bytes(recv, outs); };
+  call.nested_outputs = output_lists;
+  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
+    std::vector<size_t> counts(size, nbytes(send));
+    events.push_back(ccl::allgatherv(ptr(send), nbytes(send), ptr(recv), counts, kByteType, comm));
   });
 }
 
@@ -632,24 +666,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::alltoall_base(
     const size_t row_bytes = rows > 0 ? nbytes(t) / rows : 0;
     std::vector<size_t> out(size);
     if (splits.empty()) {
-      TORCH_CHECK_VALUE(
+      CCL_CHECK_ARG(
           rows % size == 0, "ccl ", op, ": ", what, " has ", rows,
           " rows in dim 0, not divisible by the group size ", size, "; pass split sizes");
       std::fill(out.begin(), out.end(), row_bytes * (rows / size));
       return out;
     }
-    TORCH_CHECK_VALUE(
+    CCL_CHECK_ARG(
         static_cast<int>(splits.size()) == size, "ccl ", op, ": ", what, " split sizes have ",
         splits.size(), " entries; expected one per rank (", size, ")");
     int64_t total = 0;
     for (int r = 0; r < size; ++r) {
-      TORCH_CHECK_VALUE(splits[r] >= 0, "ccl ", op, ": ", what, " split size ", splits[r], " is negative");
+      CCL_CHECK_ARG(splits[r] >= 0, "ccl ", op, ": ", what, " split size ", splits[r], " is negative");
       total += splits[r];
       out[r] = row_bytes * splits[r];
     }
-    TORCH_CHECK_VALUE(
+    CCL_CHECK_ARG(
         total == rows, "ccl ", op, ": ", what, " split sizes add up to ", total, " but dim 0 has ",
-        rows, " rows");
+        rows, " rows (split sizes doesn't match total dim 0 size)");
     return out;
   };
   auto send_counts = counts(input, input_split_sizes, "input");
@@ -667,7 +701,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::alltoall(
     const c10d::AllToAllOptions& opts) {
   const char* op = kAlltoall.name;
   const int size = getSize();
-  TORCH_CHECK_VALUE(
+  CCL_CHECK_ARG(
       static_cast<int>(inputs.size()) == size, "ccl ", op, ": input_tensor_list has ",
       inputs.size(), " tensors; expected one per rank (", size, ")");
   check_list(op, inputs, inputs[0], size, "input_tensor_list");
@@ -691,9 +725,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::send(
     int dst_rank,
     int /*tag: oneCCL matches by peer and order*/) {
   const char* op = kSend.name;
+  check_p2p_usable(op);
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
   check_rank(op, "destination rank", dst_rank, getSize());
-  TORCH_CHECK_VALUE(dst_rank != getRank(), "ccl send: a rank cannot send to itself (rank ", dst_rank, ")");
+  CCL_CHECK_ARG(dst_rank != getRank(), "ccl send: a rank cannot send to itself (rank ", dst_rank, ")");
   Call call{kSend, timeout_, {t}, {t}};
   return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
     events.push_back(ccl::send(ptr(t), nbytes(t), kByteType, dst_rank, comm));
@@ -705,9 +740,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::recv(
     int src_rank,
     int /*tag*/) {
   const char* op = kRecv.name;
+  check_p2p_usable(op);
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
   check_rank(op, "source rank", src_rank, getSize());
-  TORCH_CHECK_VALUE(src_rank != getRank(), "ccl recv: a rank cannot receive from itself (rank ", src_rank, ")");
+  CCL_CHECK_ARG(src_rank != getRank(), "ccl recv: a rank cannot receive from itself (rank ", src_rank, ")");
   Call call{kRecv, timeout_, {t}, {t}};
   return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
     events.push_back(ccl::recv(ptr(t), nbytes(t), kByteType, src_rank, comm));
@@ -717,10 +753,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::recv(
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::recvAnysource(
     std::vector<at::Tensor>& /*tensors*/,
     int /*tag*/) {
-  TORCH_CHECK_VALUE(
+  // The message meant for this recv may already be queued; a later recv from
+  // its sender would take it instead of the right one. So p2p stops here.
+  p2p_disabled_.store(true, std::memory_order_release);
+  CCL_CHECK_ARG(
       false,
-      "ccl recv: receiving from any source (src=None) is not supported: oneCCL has no wildcard "
-      "receive. Pass the sender's rank as src.");
+      "ccl recv: receiving from any source (src=None) is not supported on this process group: "
+      "oneCCL has no wildcard receive. Pass the sender's rank as src. Point-to-point ops on this "
+      "group now raise, since a message sent for this recv may still be queued; collectives still work.");
+  return {};
+}
+
+void ProcessGroupCCL::check_p2p_usable(const char* op) const {
+  if (C10_UNLIKELY(p2p_disabled_.load(std::memory_order_acquire))) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        std::string("ccl ") + op +
+            ": point-to-point ops are disabled on this process group after a recv from any source "
+            "(src=None) was refused: a message sent for it may still be queued and would be "
+            "received by the wrong recv. Create a new group for point-to-point traffic.");
+  }
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::barrier(const c10d::BarrierOptions& opts) {

@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <vector>
@@ -28,6 +29,11 @@ class ProcessGroupCCL : public c10d::Backend {
   c10::intrusive_ptr<Options> getBackendOptions() override;
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
   bool supportsCoalescing() const override { return true; }
+  // TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the backend and compares these across
+  // ranks before every collective. Like gloo's, they start at 0 on every rank
+  // and count every op issued.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return seq_.load(std::memory_order_relaxed); }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
@@ -113,6 +119,10 @@ class ProcessGroupCCL : public c10d::Backend {
 
   std::shared_ptr<Communicator> comm_;
   std::chrono::milliseconds timeout_;
+  void check_p2p_usable(const char* op) const;
+
+  std::atomic<uint64_t> seq_{0};
+  std::atomic<bool> p2p_disabled_{false}; // after a refused recv from any source
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<WorkCCL>> coalesced_;
 };

@@ -1,5 +1,6 @@
 #include "reduce_ops.hpp"
 
+#include "errors.hpp"
 #include "dtypes.hpp"
 
 #include <ATen/ATen.h>
@@ -95,7 +96,7 @@ Reduction resolve_reduction(
   const auto kind = op.op_;
   const char* rop = reduce_op_name(kind);
   auto ccl_type = reduction_dtype(dtype);
-  TORCH_CHECK_TYPE(
+  CCL_CHECK_TYPE(
       ccl_type.has_value(),
       "ccl ", op_name, ": cannot reduce tensors of dtype ", dtype_name(dtype),
       "; reductions accept ", kReducibleDtypes);
@@ -107,7 +108,7 @@ Reduction resolve_reduction(
   const bool is_float = at::isFloatingType(dtype);
 
   auto reject = [&](const char* accepted) {
-    TORCH_CHECK_VALUE(
+    CCL_CHECK_ARG(
         false, "ccl ", op_name, ": ReduceOp.", rop, " is not supported for ",
         dtype_name(dtype), " tensors; ", accepted);
   };
@@ -146,7 +147,7 @@ Reduction resolve_reduction(
       }
       auto* supplement =
           dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
-      TORCH_CHECK_VALUE(
+      CCL_CHECK_ARG(
           supplement != nullptr, "ccl ", op_name,
           ": ReduceOp.PREMUL_SUM carries no factor; build it with "
           "torch.distributed._make_nccl_premul_sum(factor)");
@@ -163,7 +164,8 @@ Reduction resolve_reduction(
     case c10d::ReduceOp::BOR:
     case c10d::ReduceOp::BXOR:
       if (!is_integer(dtype) && !is_bool) {
-        reject("BAND, BOR and BXOR accept integer and bool tensors");
+        // gloo's wording: "Cannot use ReduceOp.BAND with non-integral dtype".
+        reject("BAND, BOR and BXOR accept integer and bool tensors (cannot use them with non-integral dtype)");
       }
       r.op = ccl::reduction::custom;
       r.custom_fn = kind == c10d::ReduceOp::BAND ? &bitwise_kernel<std::bit_and>
@@ -173,7 +175,7 @@ Reduction resolve_reduction(
       r.custom_attr_.set<ccl::allreduce_attr_id::reduction_fn>(r.custom_fn);
       break;
     default:
-      TORCH_CHECK_VALUE(
+      CCL_CHECK_ARG(
           false, "ccl ", op_name, ": unsupported reduce op ", rop,
           "; expected one of SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM");
   }

@@ -56,7 +56,8 @@ WorkCCL::WorkCCL(
       outputs_(std::move(outputs)),
       numel_(total_numel(inputs)),
       timeout_(timeout),
-      deadline_(Clock::now() + timeout) {}
+      deadline_(Clock::now() + timeout),
+      lane_(Callbacks::get().lane_for_new_work()) {}
 
 WorkCCL::~WorkCCL() = default;
 
@@ -137,11 +138,13 @@ void WorkCCL::complete() {
   if (future) {
     // Created before completion, so getFuture() counted it as watched.
     Progress::get().unwatch_future();
-    if (error) {
-      future->setError(error);
-    } else {
-      future->markCompleted(c10::IValue(outputs_));
-    }
+    Callbacks::get().post(lane_, [future, error, value = future_value()]() mutable {
+      if (error) {
+        future->setError(error);
+      } else {
+        future->markCompleted(std::move(value));
+      }
+    });
   }
 }
 
@@ -195,8 +198,9 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkCCL::getFuture() {
   {
     std::lock_guard<std::mutex> lock(future_mutex_);
     if (!future_) {
+      auto list = c10::ListType::create(c10::TensorType::get());
       future_ = c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()));
+          nested_outputs.empty() ? list : c10::ListType::create(list));
       created_done = done_.load(std::memory_order_acquire);
       created_pending = !created_done;
     }
@@ -206,12 +210,16 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkCCL::getFuture() {
     if (auto e = exception()) {
       future->setError(e);
     } else {
-      future->markCompleted(c10::IValue(outputs_));
+      future->markCompleted(future_value());
     }
   } else if (created_pending) {
     Progress::get().watch_future();
   }
   return future;
+}
+
+c10::IValue WorkCCL::future_value() const {
+  return nested_outputs.empty() ? c10::IValue(outputs_) : c10::IValue(nested_outputs);
 }
 
 std::vector<at::Tensor> WorkCCL::result() {
@@ -300,6 +308,7 @@ void Progress::background_loop() {
 }
 
 void Progress::shutdown() {
+  Callbacks::get().shutdown();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;

@@ -7,10 +7,12 @@
 //     oneccl_bind_pt/_env.py) an operation only advances while someone tests
 //     its event: the thread in wait(), or the background thread of Progress
 //     once a Future was handed out;
-//  3. complete: post-processing runs (copy-out, averaging), then the Work and
-//     its Future are marked done, or failed with the error.
+//  3. complete: post-processing runs (copy-out, averaging), then the Work is
+//     marked done, or failed with the error, and its Future's completion is
+//     handed to Callbacks (user callbacks never run on a progressing thread).
 #pragma once
 
+#include "callbacks.hpp"
 #include "communicator.hpp"
 
 #include <ATen/core/ivalue.h>
@@ -61,6 +63,9 @@ class WorkCCL : public c10d::Work {
   std::vector<at::Tensor> buffers; // memory oneCCL reads or writes, kept alive until done
   std::function<void()> on_success; // phase 3 post-processing
   std::vector<c10::intrusive_ptr<WorkCCL>> parts; // a coalesced Work completes with its parts
+  // When set, the Future carries these lists (List[List[Tensor]]) instead of
+  // result()'s flat list, as gloo's does for all_gather_coalesced.
+  std::vector<std::vector<at::Tensor>> nested_outputs;
 
  private:
   friend class Progress;
@@ -71,6 +76,7 @@ class WorkCCL : public c10d::Work {
   // Phase 3; runs without the lock since Future callbacks may issue new ops.
   void complete();
   std::string describe() const;
+  c10::IValue future_value() const;
 
   const OpInfo op_;
   std::shared_ptr<Communicator> comm_;
@@ -82,6 +88,7 @@ class WorkCCL : public c10d::Work {
   std::exception_ptr error_; // set by poll_locked, consumed by complete
   bool expired_ = false;
   std::atomic<bool> done_{false};
+  const Callbacks::Lane lane_; // where the Future's callbacks run
   std::mutex future_mutex_;
   c10::intrusive_ptr<c10::ivalue::Future> future_; // made on first getFuture()
 };

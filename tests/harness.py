@@ -40,7 +40,7 @@ def run_job(cmd, cwd, env, timeout=180):
     return out
 
 
-def _entry(fn, rank, world, store_path, results, args, env, pg_timeout):
+def _entry(fn, rank, world, store_path, results, args, env, pg_timeout, backend):
     os.environ.update(env)
     try:
         import torch.distributed as dist
@@ -48,7 +48,7 @@ def _entry(fn, rank, world, store_path, results, args, env, pg_timeout):
         import oneccl_bind_pt  # noqa: F401
 
         dist.init_process_group(
-            "ccl",
+            backend,
             init_method=f"file://{store_path}",
             rank=rank,
             world_size=world,
@@ -61,8 +61,10 @@ def _entry(fn, rank, world, store_path, results, args, env, pg_timeout):
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn, world, *args, timeout=180, env=None, pg_timeout=60):
+def run_ranks(fn, world, *args, timeout=180, env=None, pg_timeout=60, backend="ccl"):
     """Runs fn(rank, world, *args) on `world` processes; returns the values by rank.
+
+    The default group uses `backend` (ccl unless a test wants gloo's answer).
 
     Raises RankFailure with every failing rank's traceback, or when a rank
     hangs past `timeout` seconds.
@@ -74,7 +76,7 @@ def run_ranks(fn, world, *args, timeout=180, env=None, pg_timeout=60):
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(fn, rank, world, store_path, results, args, dict(env or {}), pg_timeout),
+                args=(fn, rank, world, store_path, results, args, dict(env or {}), pg_timeout, backend),
                 daemon=True,
             )
             for rank in range(world)

@@ -165,24 +165,5 @@ def test_deprecated_collective_names():
     assert all(run_ranks(_deprecated_names, 2))
 
 
-def _list_coalesced(rank, world):
-    # The list forms torch still offers (deprecated there): one backend call each.
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        ins = [torch.full((2,), float(rank)), torch.full((3,), float(10 * rank))]  # torch wants one dtype
-        outs = [[torch.empty(2) for _ in range(world)], [torch.empty(3) for _ in range(world)]]
-        dist.all_gather_coalesced(outs, ins)
-        for r in range(world):
-            assert outs[0][r].tolist() == [float(r)] * 2 and outs[1][r].tolist() == [10.0 * r] * 3
-        ts = [torch.full((4,), float(rank + 1)), torch.full((1,), float(rank + 2))]
-        dist.all_reduce_coalesced(ts)
-        assert ts[0].tolist() == [sum(r + 1 for r in range(world))] * 4
-        assert ts[1].tolist() == [sum(r + 2 for r in range(world))]
-    return True
-
-
-def test_list_coalesced_forms():
-    assert all(run_ranks(_list_coalesced, 2))
-    assert all(run_ranks(_list_coalesced, 3))
+# The list-coalesced forms (all_gather_coalesced, all_reduce_coalesced) are
+# compared with gloo's results in test_vs_gloo.py.

@@ -16,11 +16,12 @@ def _pg():
     return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
 
 
-def _bad_inputs(rank, world):
+def _cases(rank, world):
+    """name -> (call, words its ccl error message must contain). Every rank errs."""
     pg = _pg()
     nc = torch.ones(4, 4)[:, ::2]  # neither contiguous nor dense
     meta = torch.empty(4, device="meta")
-    cases = {
+    return {
         "non-contiguous all_gather input": (
             lambda: dist.all_gather([torch.empty(4, 2) for _ in range(world)], nc), ["allgather", "not contiguous"]),
         "non-contiguous all_reduce": (lambda: dist.all_reduce(nc), ["allreduce", "not contiguous"]),
@@ -70,10 +71,15 @@ def _bad_inputs(rank, world):
         "recv from any source": (lambda: dist.recv(torch.empty(2)), ["recv", "any source"]),
         "monitored_barrier": (lambda: dist.monitored_barrier(), ["monitored_barrier"]),
     }
+
+
+def _bad_inputs(rank, world):
     failures = {}
-    for name, (fn, needles) in cases.items():
+    for name, (fn, needles) in _cases(rank, world).items():
+        # torch itself refuses monitored_barrier for every backend but gloo, with a ValueError.
+        types = (ValueError,) if name == "monitored_barrier" else (RuntimeError,)
         try:
-            expect_error(fn, *needles)
+            expect_error(fn, *needles, types=types)
         except AssertionError as e:
             failures[name] = str(e)
     return failures
@@ -89,6 +95,42 @@ def _reduce_root(pg, root):
     opts = dist.ReduceOptions()
     opts.rootRank = root
     pg.reduce([torch.ones(2)], opts).wait()
+
+
+# Not run on gloo: it aborts the process on the first two (a failed CHECK, not an
+# exception) and supports the last two (recv from any source would wait for a sender).
+GLOO_SKIPS = {"reduce_scatter_tensor sizes", "float8 reduce", "recv from any source", "monitored_barrier"}
+
+
+def _error_classes(rank, world):
+    """For each bad input the current backend refuses: its exception's classes."""
+    got = {}
+    for name, (fn, _) in _cases(rank, world).items():
+        if dist.get_backend() == "gloo" and name in GLOO_SKIPS:
+            continue
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            got[name] = [c.__name__ for c in type(e).__mro__]
+    return got
+
+
+def test_errors_are_the_kind_gloo_raises():
+    """Code written for gloo catches RuntimeError: every refusal of ours is one, and
+    where torch itself refuses (ValueError before any backend), it stays so."""
+    gloo = run_ranks(_error_classes, 2, backend="gloo")[0]
+    ccl = run_ranks(_error_classes, 2)[0]
+    assert len(gloo) >= 10, gloo  # the comparison below must have something to compare
+    for name, classes in ccl.items():
+        if name == "monitored_barrier":
+            continue  # torch's own ValueError, before any backend
+        assert "RuntimeError" in classes, f"{name}: ccl raised {classes[0]}, not a RuntimeError"
+        if name in gloo:
+            for kind in ("ValueError", "TypeError"):  # torch's Python checks, same for every backend
+                assert kind not in gloo[name] or kind in classes, f"{name}: gloo raised {gloo[name]}, ccl {classes}"
+    # Ours are RuntimeErrors that also keep the ValueError / TypeError we raised before.
+    assert {"ArgumentError", "DistBackendError", "RuntimeError", "ValueError"} <= set(ccl["root out of range"])
+    assert {"ArgumentTypeError", "RuntimeError", "TypeError"} <= set(ccl["unreducible dtype"])
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -1,0 +1,161 @@
+#include "callbacks.hpp"
+
+#include <thread>
+
+namespace oneccl_bind_pt {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Idle runners beyond the first exit after this long without work.
+constexpr std::chrono::seconds kIdleExit{10};
+
+// Set while this thread runs a job: ops it issues complete in `child_lane`
+// (allocated on first use), not behind the job that issued them.
+thread_local bool tl_in_job = false;
+thread_local Callbacks::Lane tl_child_lane = 0;
+
+} // namespace
+
+Callbacks& Callbacks::get() {
+  // Leaked on purpose: runners are detached and may outlive static destructors.
+  static Callbacks* instance = new Callbacks();
+  return *instance;
+}
+
+Callbacks::Lane Callbacks::lane_for_new_work() {
+  if (!tl_in_job) {
+    return 0;
+  }
+  if (tl_child_lane == 0) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tl_child_lane = next_lane_++;
+  }
+  return tl_child_lane;
+}
+
+void Callbacks::post(Lane lane, std::function<void()> job) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (stop_) {
+    // Interpreter exit: no runner will take it; complete it here.
+    lock.unlock();
+    job();
+    return;
+  }
+  auto& state = lanes_[lane];
+  state.jobs.push_back(std::move(job));
+  if (state.owner == 0 && state.jobs.size() == 1) {
+    ready_.push_back(lane);
+  }
+  // An idle runner either takes the lane or watches it for a stuck job.
+  if (idle_ == 0) {
+    spawn_locked();
+  } else {
+    cv_.notify_one();
+  }
+}
+
+void Callbacks::spawn_locked() {
+  ++runners_;
+  const uint64_t id = next_runner_++;
+  std::thread([this, id] { runner_loop(id); }).detach();
+}
+
+bool Callbacks::rescue_stuck_locked() {
+  const auto now = Clock::now();
+  bool watching = false;
+  for (auto& [lane, state] : lanes_) {
+    if (state.owner == 0 || state.jobs.empty()) {
+      continue;
+    }
+    if (now - state.job_started > kStuckAfter) {
+      state.owner = 0; // the stuck runner finishes its job, then lets go
+      ready_.push_back(lane);
+    } else {
+      watching = true;
+    }
+  }
+  return watching;
+}
+
+void Callbacks::runner_loop(uint64_t id) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    while (ready_.empty()) {
+      if (stop_) {
+        --runners_;
+        cv_.notify_all();
+        return;
+      }
+      ++idle_;
+      const bool watching = rescue_stuck_locked();
+      if (ready_.empty()) {
+        if (watching) {
+          cv_.wait_for(lock, kStuckAfter / 4);
+        } else if (cv_.wait_for(lock, kIdleExit) == std::cv_status::timeout && ready_.empty() &&
+                   runners_ > 1) {
+          --idle_;
+          --runners_;
+          return;
+        }
+      }
+      --idle_;
+    }
+    const Lane lane = ready_.front();
+    ready_.pop_front();
+    auto it = lanes_.find(lane);
+    if (it == lanes_.end() || it->second.owner != 0 || it->second.jobs.empty()) {
+      continue; // taken or drained meanwhile
+    }
+    it->second.owner = id;
+    while (it != lanes_.end() && it->second.owner == id && !it->second.jobs.empty()) {
+      auto job = std::move(it->second.jobs.front());
+      it->second.jobs.pop_front();
+      it->second.job_started = Clock::now();
+      lock.unlock();
+      tl_in_job = true;
+      tl_child_lane = 0;
+      try {
+        job();
+      } catch (...) {
+        // A Future reports its callbacks' errors itself; nothing to add here.
+      }
+      tl_in_job = false;
+      job = nullptr; // drop captured state without the lock held
+      lock.lock();
+      it = lanes_.find(lane);
+    }
+    if (it != lanes_.end() && it->second.owner == id) {
+      it->second.owner = 0;
+      if (lane != 0) {
+        lanes_.erase(it);
+      }
+    }
+  }
+}
+
+void Callbacks::shutdown() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  // Let queued completions finish, for a bounded time: a callback may be stuck.
+  auto busy = [this] {
+    if (!ready_.empty()) {
+      return true;
+    }
+    for (const auto& entry : lanes_) {
+      if (entry.second.owner != 0) {
+        return true;
+      }
+    }
+    return false;
+  };
+  for (int i = 0; i < 200 && busy(); ++i) {
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    lock.lock();
+  }
+  stop_ = true;
+  cv_.notify_all();
+}
+
+} // namespace oneccl_bind_pt

@@ -1,0 +1,66 @@
+// Runs Future completions, and so the user's then() callbacks, off the thread
+// that progresses communication.
+//
+// A callback may wait on another collective, or issue one and wait on it
+// (DDP's PowerSGD hook does both). Run inline on the progress thread, that
+// wait would block the only thread that could finish the op. So completions
+// are jobs, run by a small pool of threads, in lanes:
+//  - lane 0 holds the completions of ops issued by ordinary threads; its jobs
+//    run one at a time in completion order, so callbacks that issue
+//    collectives issue them in the same order on every rank;
+//  - an op issued from inside a callback gets the lane of that callback's
+//    job: a callback that waits on it does not block its completion;
+//  - a job that has run longer than kStuckAfter while its lane has more work
+//    (a callback waiting on a lane-0 future that is queued behind it) hands
+//    the lane to another thread. Order is kept except across that one job.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+
+namespace oneccl_bind_pt {
+
+class Callbacks {
+ public:
+  using Lane = uint64_t;
+  static constexpr std::chrono::milliseconds kStuckAfter{20};
+
+  static Callbacks& get();
+
+  // The lane for the completion of an op the calling thread issues now.
+  Lane lane_for_new_work();
+  void post(Lane lane, std::function<void()> job);
+  // Waits (bounded) for queued jobs to finish, then lets idle threads exit.
+  void shutdown();
+
+ private:
+  struct LaneState {
+    std::deque<std::function<void()>> jobs;
+    uint64_t owner = 0; // runner serving the lane, 0 when none
+    std::chrono::steady_clock::time_point job_started;
+  };
+
+  Callbacks() = default;
+  void runner_loop(uint64_t id);
+  void spawn_locked();
+  // Hands lanes whose runner is stuck to another runner; true if any lane
+  // is being served with jobs waiting (the caller should look again soon).
+  bool rescue_stuck_locked();
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::map<Lane, LaneState> lanes_;
+  std::deque<Lane> ready_; // lanes with jobs and no runner
+  Lane next_lane_ = 1;
+  uint64_t next_runner_ = 1;
+  int idle_ = 0;
+  int runners_ = 0;
+  bool stop_ = false;
+};
+
+} // namespace oneccl_bind_pt

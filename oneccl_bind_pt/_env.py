@@ -22,8 +22,15 @@ CCL_LOCAL_SIZE             host and the rank count     launcher bootstraps it. F
                                                        (torchrun), MPI_LOCALRANKID/
                                                        MPI_LOCALNRANKS (Intel MPI), else
                                                        counted through the Store.
-CCL_ATL_SHM                ``1``                       Ranks on one host exchange data
-                                                       through shared memory, not sockets.
+CCL_ATL_SHM                ``0`` when every rank is on  Ranks on one host exchange data
+                           this host and our shared-   through shared memory, not sockets.
+                           memory transport is on,     On one host our own transport
+                           else ``1``                  carries every collective and p2p
+                                                       (oneCCL's leaves a 64 MiB file per
+                                                       rank in /dev/shm whenever a rank is
+                                                       killed); across hosts, or with
+                                                       ONECCL_BIND_PT_SHM=0, oneCCL's is
+                                                       used.
 CCL_WORKER_OFFLOAD         ``0``                       oneCCL's default worker thread
                                                        busy-polls beside every rank; on
                                                        hosts with fewer spare cores than
@@ -154,7 +161,8 @@ def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str
     _set_default(env, "CCL_ATL_TRANSPORT", "ofi")
     _set_default(env, "CCL_LOCAL_RANK", str(local_rank))
     _set_default(env, "CCL_LOCAL_SIZE", str(local_size))
-    _set_default(env, "CCL_ATL_SHM", "1")
+    ours = env.get("ONECCL_BIND_PT_SHM", "1").lower() not in ("0", "off", "false")
+    _set_default(env, "CCL_ATL_SHM", "0" if ours and local_size == size else "1")
     if "CCL_WORKER_COUNT" not in env and "CCL_WORKER_AFFINITY" not in env:
         _set_default(env, "CCL_WORKER_OFFLOAD", "0")
     if local_size == size:

@@ -6,12 +6,15 @@
     mpirun -n 2 python -m oneccl_bind_pt.bench --json out.json --plot out.png
 
 For every op, dtype and message size these run interleaved in the same
-processes: `ccl` (torch.distributed calls on the ccl group, what users get),
-`pg` (the ccl backend's own methods, skipping torch.distributed's Python
-layer), `gloo` (the torch.distributed calls on a gloo group) and `raw` (the
-same oneCCL call on the ccl group's communicator from C++, with no Work,
-Future or Python around it). raw -> pg is this binding's overhead; pg -> ccl
-is torch.distributed's.
+processes: `ccl` (torch.distributed calls on the ccl group, what users get:
+on one host, the shared-memory transport up to its crossover), `pg` (the
+ccl backend's own methods, skipping torch.distributed's Python layer),
+`oneccl` (torch.distributed calls on a second ccl group created with
+ONECCL_BIND_PT_SHM=0: every collective through oneCCL), `gloo` (the
+torch.distributed calls on a gloo group) and `raw` (the same oneCCL call on
+the ccl group's communicator from C++, with no Work, Future or Python around
+it). pg -> ccl is torch.distributed's own cost. oneCCL runs with its own
+shared-memory transport (CCL_ATL_SHM=1), its fastest setting on one host.
 
 Reported per point: median and p90 time of one call (the slowest rank's time
 for each iteration), algorithm bandwidth (bytes / time) and bus bandwidth
@@ -38,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 OPS = ["allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "sendrecv"]
-BACKENDS = ["ccl", "pg", "gloo", "raw"]
+BACKENDS = ["ccl", "pg", "oneccl", "gloo", "raw"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRESETS = {
     # The comparison the README quotes: a few sizes, every op, under 3 minutes.
@@ -89,9 +92,9 @@ class Point:
 class Case:
     """Buffers and one call of `op` for each backend, with a correctness check."""
 
-    def __init__(self, op, dtype, nbytes, rank, world, ccl_group, gloo_group):
+    def __init__(self, op, dtype, nbytes, rank, world, groups):
         self.op, self.rank, self.world = op, rank, world
-        self.groups = {"ccl": ccl_group, "gloo": gloo_group}
+        self.groups = groups
         es = torch.empty((), dtype=dtype).element_size()
         per_rank = max(1, nbytes // (es * world))  # one share per rank
         n = per_rank * world if op in ("allgather", "reduce_scatter", "alltoall") else max(1, nbytes // es)
@@ -240,9 +243,18 @@ def summarize(case, dtype_name, backend, times, correct, world):
                  algbw, algbw * bus_factor(case.op, world), correct)
 
 
+def oneccl_group(world):
+    """A ccl group with the shared-memory transport off: today's oneCCL path."""
+    os.environ["ONECCL_BIND_PT_SHM"] = "0"
+    try:
+        return dist.new_group(list(range(world)))
+    finally:
+        del os.environ["ONECCL_BIND_PT_SHM"]
+
+
 def benchmark(args, rank, world):
-    ccl_group = dist.group.WORLD
     gloo_group = dist.new_group(backend="gloo")
+    groups = {"ccl": dist.group.WORLD, "gloo": gloo_group, "oneccl": oneccl_group(world)}
     backends = [b for b in args.backends if b in BACKENDS]
     points = [
         (op, dt, size)
@@ -254,7 +266,7 @@ def benchmark(args, rank, world):
     progress = _progress(len(points)) if rank == 0 and not args.quiet else None
     results = []
     for op, dt, size in points:
-        case = Case(op, DTYPES[dt], size, rank, world, ccl_group, gloo_group)
+        case = Case(op, DTYPES[dt], size, rank, world, groups)
         correct = {}
         for b in backends:
             ok = torch.tensor([int(case.check(b))])
@@ -287,7 +299,8 @@ def report(results, world, args):
     header = ["op", "dtype", "bytes"]
     for b in args.backends:
         header += [f"{b} med us", f"{b} p90 us"]
-    header += ["ccl busbw GB/s", "gloo/ccl", "ccl/raw", "ccl-raw us", "pg/raw", "pg-raw us", "correct"]
+    header += ["ccl busbw GB/s", "gloo/ccl", "oneccl/ccl", "ccl/raw", "ccl-raw us", "pg/raw", "pg-raw us",
+               "correct"]
     lines = []
     for (op, dt, nbytes), by in rows.items():
         row = [op, dt, human_bytes(nbytes)]
@@ -296,6 +309,8 @@ def report(results, world, args):
         ccl, gloo, raw = by.get("ccl"), by.get("gloo"), by.get("raw")
         row.append(f"{ccl.busbw_GBps:.2f}" if ccl else "-")
         row.append(f"{gloo.median_us / ccl.median_us:.1f}x" if ccl and gloo else "-")
+        oneccl = by.get("oneccl")
+        row.append(f"{oneccl.median_us / ccl.median_us:.2f}x" if ccl and oneccl else "-")
         for mine in (ccl, by.get("pg")):
             row.append(f"{mine.median_us / raw.median_us:.2f}" if mine and raw else "-")
             row.append(f"{mine.median_us - raw.median_us:+.1f}" if mine and raw else "-")
@@ -380,7 +395,7 @@ def parse_args(argv=None):
     p.add_argument("--min-bytes", default="4", help="smallest message (e.g. 4, 4K, 1M)")
     p.add_argument("--max-bytes", default="64M", help="largest message")
     p.add_argument("--factor", type=int, default=4, help="size step (2 or 4)")
-    p.add_argument("--backends", default="ccl,pg,gloo,raw", help="comma-separated: " + ", ".join(BACKENDS))
+    p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: " + ", ".join(BACKENDS))
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named selection of ops and sizes")
     p.add_argument("--seconds", type=float, default=0.2, help="time spent per backend per point")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds per point")
@@ -409,6 +424,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    # The baselines get oneCCL's fastest setting on one host (read at its first communicator).
+    os.environ.setdefault("CCL_ATL_SHM", "1")
     import oneccl_bind_pt  # noqa: F401  (maps mpirun's variables too)
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

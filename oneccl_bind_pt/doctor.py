@@ -20,7 +20,9 @@ import torch
 import oneccl_bind_pt
 from oneccl_bind_pt import _C, _env, _version
 
-VARIABLE_PREFIXES = ("CCL_", "I_MPI_", "FI_", "LD_LIBRARY_PATH")
+VARIABLE_PREFIXES = ("CCL_", "I_MPI_", "FI_", "ONECCL_BIND_PT_", "LD_LIBRARY_PATH")
+PATH_OPS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "send")
+PATH_SIZES = (4 << 10, 256 << 10, 4 << 20, 64 << 20, 1 << 30)
 
 
 def _loaded_library(fragment: str) -> str | None:
@@ -47,12 +49,10 @@ def _shadowing_libfabric(ours: str | None) -> str | None:
     return None
 
 
-def _mpirun() -> str | None:
-    found = shutil.which("mpirun")
-    if found:
-        return found
+def _mpirun() -> tuple[str | None, str | None]:
+    """The mpirun on PATH, and this environment's own (Intel MPI, from impi-rt), if any."""
     beside = os.path.join(sys.prefix, "bin", "mpirun")
-    return beside if os.path.exists(beside) else None
+    return shutil.which("mpirun"), beside if os.path.exists(beside) else None
 
 
 def _selftest_rank(rank, world, store_path, results):
@@ -69,12 +69,15 @@ def _selftest_rank(rank, world, store_path, results):
     b = torch.full((3,), float(rank))
     dist.broadcast(b, src=world - 1)
     ok = ok and b.tolist() == [float(world - 1)] * 3
-    results.put((rank, ok, dict(_env.applied)))
+    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    paths = {op: [pg._path(op, n) for n in PATH_SIZES] for op in PATH_OPS}
+    results.put((rank, ok, dict(_env.applied), paths))
     dist.destroy_process_group()
 
 
-def selftest(world: int = 2) -> tuple[bool, str, dict]:
-    """Runs allreduce, all_gather_single and broadcast on `world` fresh processes."""
+def selftest(world: int = 2) -> tuple[bool, str, dict, dict]:
+    """Runs allreduce, all_gather_single and broadcast on `world` fresh processes;
+    also returns the defaults applied and which transport each op and size takes."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -88,8 +91,8 @@ def selftest(world: int = 2) -> tuple[bool, str, dict]:
         got = {}
         try:
             for _ in range(world):
-                rank, ok, applied = results.get(timeout=120)
-                got[rank] = (ok, applied)
+                rank, ok, applied, paths = results.get(timeout=120)
+                got[rank] = (ok, applied, paths)
         except Exception:  # noqa: BLE001 - a rank died or hung; reported below
             pass
         for p in procs:
@@ -99,10 +102,28 @@ def selftest(world: int = 2) -> tuple[bool, str, dict]:
     took = time.monotonic() - start
     if len(got) < world:
         codes = [p.exitcode for p in procs]
-        return False, f"{world - len(got)} of {world} ranks never reported (exit codes {codes})", {}
-    if not all(ok for ok, _ in got.values()):
-        return False, "a collective returned a wrong result", got[0][1]
-    return True, f"allreduce, all_gather_single, broadcast correct on {world} ranks in {took:.1f} s", got[0][1]
+        return False, f"{world - len(got)} of {world} ranks never reported (exit codes {codes})", {}, {}
+    if not all(ok for ok, _, _ in got.values()):
+        return False, "a collective returned a wrong result", got[0][1], got[0][2]
+    return (True, f"allreduce, all_gather_single, broadcast correct on {world} ranks in {took:.1f} s",
+            got[0][1], got[0][2])
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+def _print_paths(paths: dict) -> None:
+    """Which transport each op takes at each size, for a group on this host."""
+    print("transport        per op and bytes per rank, ranks on this host "
+          "(shm: shared memory; oneccl: oneCCL; ONECCL_BIND_PT_SHM=0 turns shm off,")
+    print("                 ONECCL_BIND_PT_SHM_MAX_BYTES sets the crossover)")
+    print(f"                 {'op':<16}" + "".join(f"{_human(n):>9}" for n in PATH_SIZES))
+    for op, where in paths.items():
+        print(f"                 {op:<16}" + "".join(f"{w:>9}" for w in where))
 
 
 def main(argv=None) -> int:
@@ -119,10 +140,15 @@ def main(argv=None) -> int:
     print(f"torch            {torch.__version__}  (built against {TORCH_BUILT_WITH}: "
           f"{'match' if oneccl_bind_pt._same_minor(torch.__version__, TORCH_BUILT_WITH) else 'MISMATCH'})")
     print(f"oneCCL           built with {_C.ccl_build_version}, running {_C.ccl_runtime_version()}")
-    hwloc, fabric, mpirun = _loaded_library("libhwloc"), _libfabric(), _mpirun()
+    hwloc, fabric = _loaded_library("libhwloc"), _libfabric()
+    on_path, ours = _mpirun()
     print(f"hwloc            {hwloc or 'NOT FOUND'}")
     print(f"libfabric        {fabric or 'NOT FOUND'}")
-    print(f"mpirun           {mpirun or 'not found (only needed for mpirun launches)'}")
+    print(f"mpirun           {on_path or ours or 'not found (only needed for mpirun launches)'}")
+    if on_path and ours and os.path.realpath(on_path) != os.path.realpath(ours):
+        # Open MPI's or MPICH's launcher works too; say which one a bare `mpirun` runs.
+        print(f"                 note: that is not this environment's Intel MPI ({ours}); "
+              f"source {oneccl_bind_pt.cwd}/env/setvars.sh to put it first")
     if not fabric:
         problems.append(f"libfabric is missing: pip install impi-rt=={_version.IMPI_RT_VERSION} (conda: conda "
                         "install impi_rt); oneCCL loads it at the first group")
@@ -131,7 +157,7 @@ def main(argv=None) -> int:
         problems.append(f"LD_LIBRARY_PATH puts another libfabric first ({shadow}); oneCCL would load it instead "
                         f"of {fabric} and may find no provider: remove {os.path.dirname(shadow)} from "
                         "LD_LIBRARY_PATH for this job")
-    if mpirun and not shutil.which("mpirun"):
+    if ours and not on_path:
         problems.append(f"mpirun is not on PATH: source {oneccl_bind_pt.cwd}/env/setvars.sh")
 
     launcher = _env.map_launcher_env(dict(os.environ))
@@ -140,9 +166,11 @@ def main(argv=None) -> int:
     print("environment      " + (", ".join(f"{k}={v}" for k, v in mine.items()) or "no CCL_/I_MPI_/FI_ variables set"))
 
     if args.selftest:
-        ok, what, applied = selftest()
+        ok, what, applied, paths = selftest()
         if applied:
             print("defaults applied " + ", ".join(f"{k}={v}" for k, v in sorted(applied.items())))
+        if paths:
+            _print_paths(paths)
         print(f"self-test        {'PASS' if ok else 'FAIL'}: {what}")
         if not ok:
             problems.append("the self-test failed: rerun with CCL_LOG_LEVEL=info and include the output in the report")

@@ -1,7 +1,11 @@
 // Communicators: the process-wide oneCCL runtime and one communicator per
 // process group, created once at group construction and shared by every op
-// (and every in-flight Work) of that group.
+// (and every in-flight Work) of that group. A group whose ranks share a host
+// also gets the shared-memory transport (shm.hpp); this file holds the
+// oneCCL one (start_oneccl).
 #pragma once
+
+#include "transport.hpp"
 
 #include <oneapi/ccl.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -15,6 +19,12 @@
 
 namespace oneccl_bind_pt {
 
+class Shm;
+
+// The oneCCL transport: issues each Prim as one non-blocking oneCCL call.
+// Throws if oneCCL rejects the first; a later rejection surfaces from poll().
+std::unique_ptr<Pending> start_oneccl(ccl::communicator& comm, const char* op, std::vector<Prim> prims);
+
 // oneCCL reads its environment once, here; the Python package sets its
 // defaults before the first group is created.
 void ensure_ccl_initialized();
@@ -26,6 +36,12 @@ class Communicator {
       int rank,
       int size,
       std::chrono::milliseconds timeout);
+  ~Communicator();
+
+  // Starts an op's Prims on the group's transport: shared memory when the
+  // group has it, else oneCCL. Caller holds Progress's lock.
+  std::unique_ptr<Pending> start(const char* op, std::vector<Prim> prims);
+  Shm* shm() const { return shm_.get(); }
 
   ccl::communicator& get() { return *comm_; }
   int rank() const { return rank_; }
@@ -42,6 +58,7 @@ class Communicator {
   int size_;
   std::shared_ptr<ccl::kvs> kvs_;
   std::optional<ccl::communicator> comm_;
+  std::unique_ptr<Shm> shm_;
   std::atomic<bool> broken_{false};
   mutable std::mutex why_mutex_;
   std::string why_;

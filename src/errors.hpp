@@ -22,6 +22,13 @@ class ArgumentTypeError : public c10::DistBackendError {
   using c10::DistBackendError::DistBackendError;
 };
 
+// Ranks called different collectives (or the same with different sizes) at
+// the same point. Found before any data moved: the group stays usable.
+class CollectiveMismatch : public c10::DistBackendError {
+ public:
+  using c10::DistBackendError::DistBackendError;
+};
+
 } // namespace oneccl_bind_pt
 
 // CCL_CHECK_ARG(cond, message parts...): an invalid value or shape.

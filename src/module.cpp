@@ -63,7 +63,13 @@ PYBIND11_MODULE(_C, m) {
           py::arg("rank"),
           py::arg("size"),
           py::arg("timeout") = std::chrono::milliseconds(kBackendDefaultTimeout),
-          py::call_guard<py::gil_scoped_release>());
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "_path",
+          &oneccl_bind_pt::ProcessGroupCCL::path,
+          py::arg("kind"),
+          py::arg("nbytes"),
+          "'shm' or 'oneccl': the transport a collective of this kind and size per rank takes.");
 
   m.def(
       "_shutdown",

@@ -3,6 +3,7 @@
 #include "errors.hpp"
 #include "dtypes.hpp"
 #include "reduce_ops.hpp"
+#include "shm.hpp"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -227,6 +228,39 @@ std::vector<size_t> byte_counts(const std::vector<at::Tensor>& tensors) {
   return counts;
 }
 
+using K = Prim::Kind;
+
+std::shared_ptr<const Reduction> shared(Reduction red) {
+  return std::make_shared<const Reduction>(std::move(red));
+}
+
+// A data-movement Prim that counts bytes.
+Prim bytes(K kind, const void* src, void* dst, size_t count, int peer = -1, int tag = 0) {
+  Prim p{kind};
+  p.src = src;
+  p.dst = dst;
+  p.count = count;
+  p.peer = peer;
+  p.tag = tag;
+  return p;
+}
+
+// A reduction Prim over `count` elements of red's type.
+Prim reduction(K kind, const void* src, void* dst, const std::shared_ptr<const Reduction>& red, size_t count, int root = -1) {
+  Prim p = bytes(kind, src, dst, count, root);
+  p.red = red;
+  return p;
+}
+
+Prim alltoallv(const void* src, std::vector<size_t> send, void* dst, std::vector<size_t> recv) {
+  Prim p{K::Alltoallv};
+  p.src = src;
+  p.dst = dst;
+  p.send_counts = std::move(send);
+  p.recv_counts = std::move(recv);
+  return p;
+}
+
 } // namespace
 
 struct ProcessGroupCCL::Call {
@@ -234,9 +268,10 @@ struct ProcessGroupCCL::Call {
   std::chrono::milliseconds timeout;
   std::vector<at::Tensor> inputs; // shown to the profiler
   std::vector<at::Tensor> outputs; // Work::result() and the Future's value
-  std::vector<at::Tensor> buffers = {}; // scratch memory oneCCL uses
+  std::vector<at::Tensor> buffers = {}; // scratch memory the transport uses
   std::function<void()> on_success = nullptr;
   std::vector<std::vector<at::Tensor>> nested_outputs = {}; // see WorkCCL::nested_outputs
+  std::vector<Prim> prims = {}; // the communication, for the transport
 };
 
 ProcessGroupCCL::ProcessGroupCCL(
@@ -254,8 +289,28 @@ c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupCCL::getBackendOptions() 
   return c10::make_intrusive<Options>("ccl", timeout_);
 }
 
-template <typename Issue>
-c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::run(Call&& call, Issue&& issue) {
+std::string ProcessGroupCCL::path(const std::string& kind, size_t nbytes) const {
+  static const std::pair<const char*, K> kinds[] = {
+      {"allreduce", K::Allreduce}, {"reduce", K::Reduce}, {"broadcast", K::Broadcast},
+      {"allgather", K::Allgatherv}, {"alltoall", K::Alltoallv}, {"reduce_scatter", K::ReduceScatter},
+      {"send", K::Send}, {"recv", K::Recv}, {"barrier", K::Barrier}};
+  for (const auto& [name, k] : kinds) {
+    if (kind == name) {
+      if (!comm_->shm()) {
+        return "oneccl";
+      }
+      return k == K::Send || k == K::Recv || k == K::Barrier ? "shm" : comm_->shm()->path(k, nbytes);
+    }
+  }
+  CCL_CHECK_ARG(false, "ccl: unknown collective '", kind, "'; expected allreduce, reduce, broadcast, "
+                "allgather, alltoall, reduce_scatter, send, recv or barrier");
+  return {};
+}
+
+// The one path every op takes: a Work, its Prims started on the group's
+// transport, and, when they finish at once (small ops on shared memory
+// often do), completion without a trip through the progress engine.
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::run(Call&& call) {
   TORCH_CHECK(
       !comm_->broken(), "ccl ", call.op.name,
       ": this process group is unusable after an earlier failure: ", comm_->broken_reason());
@@ -267,21 +322,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::run(Call&& call, Issue&& issue) 
   work->on_success = std::move(call.on_success);
   work->nested_outputs = std::move(call.nested_outputs);
   auto& progress = Progress::get();
+  bool finished = false;
   {
     std::lock_guard<std::mutex> lock(progress.ccl_mutex());
-    try {
-      issue(comm_->get(), work->events);
-    } catch (const std::exception& e) {
-      if (!work->events.empty()) {
-        // Part of the op is in flight: peers and buffers are in an unknown state.
-        comm_->mark_broken(std::string("a multi-part ") + call.op.name + " failed halfway");
-        progress.track(work);
-      }
-      C10_THROW_ERROR(
-          DistBackendError,
-          std::string("ccl ") + call.op.name + ": oneCCL rejected the call: " + e.what());
+    work->pending = comm_->start(call.op.name, std::move(call.prims));
+    finished = work->poll_locked(Clock::now());
+    if (!finished) {
+      progress.track(work);
     }
-    progress.track(work);
+  }
+  if (finished) {
+    work->complete();
   }
   if (coalescing_) {
     coalesced_.push_back(work);
@@ -319,17 +370,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allreduce(
     const c10d::AllreduceOptions& opts) {
   const char* op = kAllreduce.name;
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
-  auto red = resolve_reduction(op, opts.reduceOp, t.scalar_type());
-  red.scale_inplace(t);
+  auto red = shared(resolve_reduction(op, opts.reduceOp, t.scalar_type()));
+  red->scale_inplace(t);
   const int size = getSize();
   Call call{kAllreduce, pick_timeout(opts.timeout, timeout_), {t}, {t}};
-  if (red.needs_finish()) {
-    call.on_success = [red, t, size]() mutable { red.finish(t, size); };
+  if (red->needs_finish()) {
+    call.on_success = [red, t, size]() mutable { red->finish(t, size); };
   }
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    events.push_back(ccl::allreduce(
-        ptr(t), ptr(t), red.count(t), red.dtype, red.op, comm, red.allreduce_attr()));
-  });
+  call.prims.push_back(reduction(K::Allreduce, ptr(t), ptr(t), red, red->count(t)));
+  return run(std::move(call));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allreduce_coalesced(
@@ -341,20 +390,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allreduce_coalesced(
     check_tensor(op, tensors[i], "tensors[" + std::to_string(i) + "]");
     check_same_dtype(op, tensors[i], tensors[0], "tensors[" + std::to_string(i) + "]");
   }
-  auto red = resolve_reduction(op, opts.reduceOp, tensors[0].scalar_type());
-  // One oneCCL call on a flat copy: one latency instead of one per tensor.
+  auto red = shared(resolve_reduction(op, opts.reduceOp, tensors[0].scalar_type()));
+  // One call on a flat copy: one latency instead of one per tensor.
   at::Tensor flat = flatten_copy(tensors);
-  red.scale_inplace(flat);
+  red->scale_inplace(flat);
   const int size = getSize();
   Call call{kAllreduceCoalesced, pick_timeout(opts.timeout, timeout_), tensors, tensors, {flat}};
   call.on_success = [red, flat, outs = tensors, size]() mutable {
-    red.finish(flat, size);
+    red->finish(flat, size);
     unflatten_into(flat, outs);
   };
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    events.push_back(ccl::allreduce(
-        ptr(flat), ptr(flat), red.count(flat), red.dtype, red.op, comm, red.allreduce_attr()));
-  });
+  call.prims.push_back(reduction(K::Allreduce, ptr(flat), ptr(flat), red, red->count(flat)));
+  return run(std::move(call));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce(
@@ -363,31 +410,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce(
   const char* op = kReduce.name;
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
   check_rank(op, "root rank", opts.rootRank, getSize());
-  auto red = resolve_reduction(op, opts.reduceOp, t.scalar_type());
+  auto red = shared(resolve_reduction(op, opts.reduceOp, t.scalar_type()));
   const int root = static_cast<int>(opts.rootRank);
   const bool is_root = getRank() == root;
   const int size = getSize();
   // Non-roots keep their input intact: oneCCL writes partial sums into the
   // receive buffer of every rank, so they reduce from and into scratch.
   at::Tensor src = t;
-  if (!is_root && (red.premul || red.allreduce_only())) {
+  if (!is_root && (red->premul || red->allreduce_only())) {
     src = t.clone();
   }
-  red.scale_inplace(src);
-  at::Tensor dst = is_root ? t : (red.allreduce_only() ? src : at::empty_like(t));
+  red->scale_inplace(src);
+  at::Tensor dst = is_root ? t : (red->allreduce_only() ? src : at::empty_like(t));
   Call call{kReduce, pick_timeout(opts.timeout, timeout_), {t}, {t}, {src, dst}};
-  if (is_root && red.needs_finish()) {
-    call.on_success = [red, t, size]() mutable { red.finish(t, size); };
+  if (is_root && red->needs_finish()) {
+    call.on_success = [red, t, size]() mutable { red->finish(t, size); };
   }
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    if (red.allreduce_only()) {
-      events.push_back(ccl::allreduce(
-          ptr(dst), ptr(dst), red.count(dst), red.dtype, red.op, comm, red.allreduce_attr()));
-    } else {
-      events.push_back(
-          ccl::reduce(ptr(src), ptr(dst), red.count(t), red.dtype, red.op, root, comm));
-    }
-  });
+  call.prims.push_back(
+      red->allreduce_only() ? reduction(K::Allreduce, ptr(dst), ptr(dst), red, red->count(dst))
+                            : reduction(K::Reduce, ptr(src), ptr(dst), red, red->count(t), root));
+  return run(std::move(call));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::_reduce_scatter_base(
@@ -408,41 +450,35 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter_tensor_coalesced(
       kReduceScatterBase, kReduceScatterTensorCoalesced, outputs, inputs, size,
       /*output_is_larger=*/false);
   const char* op = info.name;
-  std::vector<Reduction> reds;
+  std::vector<std::shared_ptr<const Reduction>> reds;
   std::vector<at::Tensor> sends;
   for (const auto& in : inputs) {
-    auto red = resolve_reduction(op, opts.reduceOp, in.scalar_type());
+    auto red = shared(resolve_reduction(op, opts.reduceOp, in.scalar_type()));
     at::Tensor send = in;
-    if (red.premul || red.allreduce_only()) {
+    if (red->premul || red->allreduce_only()) {
       send = in.clone(); // the caller's input stays untouched
-      red.scale_inplace(send);
+      red->scale_inplace(send);
     }
     sends.push_back(send);
     reds.push_back(std::move(red));
   }
   Call call{info, pick_timeout(opts.timeout, timeout_), inputs, outputs, sends};
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    call.prims.push_back(
+        reds[i]->allreduce_only()
+            ? reduction(K::Allreduce, ptr(sends[i]), ptr(sends[i]), reds[i], reds[i]->count(sends[i]))
+            : reduction(K::ReduceScatter, ptr(sends[i]), ptr(outputs[i]), reds[i], reds[i]->count(outputs[i])));
+  }
   call.on_success = [reds, sends, outs = outputs, size, rank]() mutable {
     for (size_t i = 0; i < outs.size(); ++i) {
-      if (reds[i].allreduce_only()) {
+      if (reds[i]->allreduce_only()) {
         const auto n = outs[i].numel();
         outs[i].view({-1}).copy_(sends[i].reshape({-1}).narrow(0, rank * n, n));
       }
-      reds[i].finish(outs[i], size);
+      reds[i]->finish(outs[i], size);
     }
   };
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      const auto& red = reds[i];
-      if (red.allreduce_only()) {
-        events.push_back(ccl::allreduce(
-            ptr(sends[i]), ptr(sends[i]), red.count(sends[i]), red.dtype, red.op, comm,
-            red.allreduce_attr()));
-      } else {
-        events.push_back(ccl::reduce_scatter(
-            ptr(sends[i]), ptr(outputs[i]), red.count(outputs[i]), red.dtype, red.op, comm));
-      }
-    }
-  });
+  return run(std::move(call));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter(
@@ -456,7 +492,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter(
   check_list(op, inputs[0], out, getSize(), "input_list");
   const int size = getSize();
   const int rank = getRank();
-  auto red = resolve_reduction(op, opts.reduceOp, out.scalar_type());
+  auto red = shared(resolve_reduction(op, opts.reduceOp, out.scalar_type()));
   bool even = true;
   for (const auto& t : inputs[0]) {
     even = even && t.numel() == inputs[0][0].numel();
@@ -465,9 +501,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter(
       inputs[0][rank].numel() == out.numel(), "ccl ", op, ": output has ", out.numel(),
       " elements but input_list[", rank, "] (this rank's share) has ", inputs[0][rank].numel());
   at::Tensor flat = flatten_copy(inputs[0]);
-  red.scale_inplace(flat);
+  red->scale_inplace(flat);
   // Uneven shares have no oneCCL primitive: reduce everything, keep ours.
-  const bool via_allreduce = red.allreduce_only() || !even;
+  const bool via_allreduce = red->allreduce_only() || !even;
   int64_t offset = 0;
   for (int r = 0; r < rank; ++r) {
     offset += inputs[0][r].numel();
@@ -477,17 +513,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter(
     if (via_allreduce) {
       out.view({-1}).copy_(flat.narrow(0, offset, out.numel()));
     }
-    red.finish(out, size);
+    red->finish(out, size);
   };
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    if (via_allreduce) {
-      events.push_back(ccl::allreduce(
-          ptr(flat), ptr(flat), red.count(flat), red.dtype, red.op, comm, red.allreduce_attr()));
-    } else {
-      events.push_back(
-          ccl::reduce_scatter(ptr(flat), ptr(out), red.count(out), red.dtype, red.op, comm));
-    }
-  });
+  call.prims.push_back(
+      via_allreduce ? reduction(K::Allreduce, ptr(flat), ptr(flat), red, red->count(flat))
+                    : reduction(K::ReduceScatter, ptr(flat), ptr(out), red, red->count(out)));
+  return run(std::move(call));
 }
 
 // ---- data movement (bytes, so every dtype works) ----------------------------
@@ -500,9 +531,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::broadcast(
   check_rank(op, "root rank", opts.rootRank, getSize());
   const int root = static_cast<int>(opts.rootRank);
   Call call{kBroadcast, pick_timeout(opts.timeout, timeout_), {t}, {t}};
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    events.push_back(ccl::broadcast(ptr(t), nbytes(t), kByteType, root, comm));
-  });
+  call.prims.push_back(bytes(K::Broadcast, ptr(t), ptr(t), nbytes(t), root));
+  return run(std::move(call));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allgather(
@@ -520,15 +550,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allgather(
       "] (this rank's slot) has ", outputs[0][rank].numel(), " elements but the input has ",
       in.numel(), " (invalid tensor size)");
   Call call{kAllgather, pick_timeout(opts.timeout, timeout_), inputs, outputs[0]};
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    // Per-rank counts: uneven sizes gather straight into each output.
-    std::vector<void*> recv;
-    for (const auto& t : outputs[0]) {
-      recv.push_back(ptr(t));
-    }
-    events.push_back(ccl::allgatherv(
-        ptr(in), nbytes(in), recv, byte_counts(outputs[0]), kByteType, comm));
-  });
+  // Per-rank counts: uneven sizes gather straight into each output.
+  Prim p = bytes(K::Allgatherv, ptr(in), nullptr, nbytes(in));
+  p.recv_counts = byte_counts(outputs[0]);
+  for (const auto& t : outputs[0]) {
+    p.dst_list.push_back(ptr(t));
+  }
+  call.prims.push_back(std::move(p));
+  return run(std::move(call));
 }
 
 // output_lists[r][i] receives rank r's inputs[i] (PyTorch's layout, as gloo).
@@ -564,16 +593,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allgather_coalesced(
     }
     flat_outputs.insert(flat_outputs.end(), list.begin(), list.end());
   }
-  // One oneCCL call for all inputs: pack them, gather, unpack per rank.
+  // One call for all inputs: pack them, gather, unpack per rank.
   at::Tensor send = pack_bytes(inputs, inputs[0].options());
   at::Tensor recv = at::empty({send.numel() * size}, send.options());
   Call call{kAllgatherCoalesced, pick_timeout(opts.timeout, timeout_), inputs, flat_outputs, {send, recv}};
   call.on_success = [recv, outs = flat_outputs]() mutable { unpack_bytes(recv, outs); };
   call.nested_outputs = output_lists;
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    std::vector<size_t> counts(size, nbytes(send));
-    events.push_back(ccl::allgatherv(ptr(send), nbytes(send), ptr(recv), counts, kByteType, comm));
-  });
+  Prim p = bytes(K::Allgatherv, ptr(send), ptr(recv), nbytes(send));
+  p.recv_counts.assign(size, nbytes(send));
+  call.prims.push_back(std::move(p));
+  return run(std::move(call));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::_allgather_base(
@@ -593,13 +622,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allgather_into_tensor_coalesced(
       kAllgatherBase, kAllgatherIntoTensorCoalesced, outputs, inputs, size,
       /*output_is_larger=*/true);
   Call call{info, pick_timeout(opts.timeout, timeout_), inputs, outputs};
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      std::vector<size_t> counts(size, nbytes(inputs[i]));
-      events.push_back(ccl::allgatherv(
-          ptr(inputs[i]), nbytes(inputs[i]), ptr(outputs[i]), counts, kByteType, comm));
-    }
-  });
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    Prim p = bytes(K::Allgatherv, ptr(inputs[i]), ptr(outputs[i]), nbytes(inputs[i]));
+    p.recv_counts.assign(size, nbytes(inputs[i]));
+    call.prims.push_back(std::move(p));
+  }
+  return run(std::move(call));
 }
 
 // gather, scatter and the list alltoall all run as one alltoallv: a
@@ -622,10 +650,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::gather(
   if (!outs.empty()) {
     call.on_success = [flat, outs]() mutable { unpack_bytes(flat, outs); };
   }
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    events.push_back(
-        ccl::alltoallv(ptr(in), send_counts, ptr(flat), recv_counts, kByteType, comm));
-  });
+  call.prims.push_back(alltoallv(ptr(in), std::move(send_counts), ptr(flat), std::move(recv_counts)));
+  return run(std::move(call));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::scatter(
@@ -643,10 +669,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::scatter(
   recv_counts[root] = nbytes(out);
   at::Tensor flat = pack_bytes(ins, out.options());
   Call call{kScatter, pick_timeout(opts.timeout, timeout_), ins, {out}, {flat}};
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    events.push_back(
-        ccl::alltoallv(ptr(flat), send_counts, ptr(out), recv_counts, kByteType, comm));
-  });
+  call.prims.push_back(alltoallv(ptr(flat), std::move(send_counts), ptr(out), std::move(recv_counts)));
+  return run(std::move(call));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::alltoall_base(
@@ -660,7 +684,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::alltoall_base(
   check_tensor(op, output, "output");
   check_same_dtype(op, output, input, "output");
   const int size = getSize();
-  // Splits count rows along dim 0; oneCCL counts bytes.
+  // Splits count rows along dim 0; the transports count bytes.
   auto counts = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what) {
     const int64_t rows = t.dim() > 0 ? t.size(0) : 1;
     const size_t row_bytes = rows > 0 ? nbytes(t) / rows : 0;
@@ -689,10 +713,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::alltoall_base(
   auto send_counts = counts(input, input_split_sizes, "input");
   auto recv_counts = counts(output, output_split_sizes, "output");
   Call call{kAlltoallBase, pick_timeout(opts.timeout, timeout_), {input}, {output}};
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    events.push_back(
-        ccl::alltoallv(ptr(input), send_counts, ptr(output), recv_counts, kByteType, comm));
-  });
+  call.prims.push_back(alltoallv(ptr(input), std::move(send_counts), ptr(output), std::move(recv_counts)));
+  return run(std::move(call));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::alltoall(
@@ -712,10 +734,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::alltoall(
   at::Tensor recv = at::empty({static_cast<int64_t>(total(recv_counts))}, send.options());
   Call call{kAlltoall, pick_timeout(opts.timeout, timeout_), inputs, outputs, {send, recv}};
   call.on_success = [recv, outs = outputs]() mutable { unpack_bytes(recv, outs); };
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    events.push_back(
-        ccl::alltoallv(ptr(send), send_counts, ptr(recv), recv_counts, kByteType, comm));
-  });
+  call.prims.push_back(alltoallv(ptr(send), std::move(send_counts), ptr(recv), std::move(recv_counts)));
+  return run(std::move(call));
 }
 
 // ---- point to point and barrier ----------------------------------------------
@@ -723,44 +743,53 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::alltoall(
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::send(
     std::vector<at::Tensor>& tensors,
     int dst_rank,
-    int /*tag: oneCCL matches by peer and order*/) {
+    int tag) {
   const char* op = kSend.name;
   check_p2p_usable(op);
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
   check_rank(op, "destination rank", dst_rank, getSize());
   CCL_CHECK_ARG(dst_rank != getRank(), "ccl send: a rank cannot send to itself (rank ", dst_rank, ")");
   Call call{kSend, timeout_, {t}, {t}};
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    events.push_back(ccl::send(ptr(t), nbytes(t), kByteType, dst_rank, comm));
-  });
+  // Shared memory honours tags; oneCCL matches messages between two ranks in order.
+  call.prims.push_back(bytes(K::Send, ptr(t), nullptr, nbytes(t), dst_rank, tag));
+  return run(std::move(call));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::recv(
     std::vector<at::Tensor>& tensors,
     int src_rank,
-    int /*tag*/) {
+    int tag) {
   const char* op = kRecv.name;
   check_p2p_usable(op);
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
   check_rank(op, "source rank", src_rank, getSize());
   CCL_CHECK_ARG(src_rank != getRank(), "ccl recv: a rank cannot receive from itself (rank ", src_rank, ")");
   Call call{kRecv, timeout_, {t}, {t}};
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    events.push_back(ccl::recv(ptr(t), nbytes(t), kByteType, src_rank, comm));
-  });
+  call.prims.push_back(bytes(K::Recv, nullptr, ptr(t), nbytes(t), src_rank, tag));
+  return run(std::move(call));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::recvAnysource(
-    std::vector<at::Tensor>& /*tensors*/,
-    int /*tag*/) {
-  // The message meant for this recv may already be queued; a later recv from
-  // its sender would take it instead of the right one. So p2p stops here.
+    std::vector<at::Tensor>& tensors,
+    int tag) {
+  const char* op = kRecv.name;
+  if (comm_->shm()) {
+    check_p2p_usable(op);
+    at::Tensor t = single(op, tensors, /*dense_ok=*/true);
+    Call call{kRecv, timeout_, {t}, {t}};
+    call.prims.push_back(bytes(K::Recv, nullptr, ptr(t), nbytes(t), /*peer=*/-1, tag));
+    return run(std::move(call));
+  }
+  // Across hosts oneCCL carries p2p, and it has no wildcard receive. The
+  // message meant for this recv may already be queued; a later recv from its
+  // sender would take it instead of the right one. So p2p stops here.
   p2p_disabled_.store(true, std::memory_order_release);
   CCL_CHECK_ARG(
       false,
-      "ccl recv: receiving from any source (src=None) is not supported on this process group: "
-      "oneCCL has no wildcard receive. Pass the sender's rank as src. Point-to-point ops on this "
-      "group now raise, since a message sent for this recv may still be queued; collectives still work.");
+      "ccl recv: receiving from any source (src=None) is not supported on a process group that "
+      "spans hosts: oneCCL has no wildcard receive. Pass the sender's rank as src. Point-to-point "
+      "ops on this group now raise, since a message sent for this recv may still be queued; "
+      "collectives still work.");
   return {};
 }
 
@@ -777,9 +806,8 @@ void ProcessGroupCCL::check_p2p_usable(const char* op) const {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::barrier(const c10d::BarrierOptions& opts) {
   Call call{kBarrier, pick_timeout(opts.timeout, timeout_), {}, {}};
-  return run(std::move(call), [&](ccl::communicator& comm, std::vector<ccl::event>& events) {
-    events.push_back(ccl::barrier(comm));
-  });
+  call.prims.push_back(Prim{K::Barrier});
+  return run(std::move(call));
 }
 
 } // namespace oneccl_bind_pt

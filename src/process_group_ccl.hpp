@@ -111,11 +111,13 @@ class ProcessGroupCCL : public c10d::Backend {
 
   // For the benchmark's raw-oneCCL baseline (raw.cpp).
   const std::shared_ptr<Communicator>& communicator() const { return comm_; }
+  // Which transport ("shm" or "oneccl") a collective of `kind` moving
+  // `nbytes` per rank takes on this group (for the doctor and the tests).
+  std::string path(const std::string& kind, size_t nbytes) const;
 
  private:
   struct Call;
-  template <typename Issue>
-  c10::intrusive_ptr<c10d::Work> run(Call&& call, Issue&& issue);
+  c10::intrusive_ptr<c10d::Work> run(Call&& call);
 
   std::shared_ptr<Communicator> comm_;
   std::chrono::milliseconds timeout_;

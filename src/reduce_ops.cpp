@@ -102,6 +102,8 @@ Reduction resolve_reduction(
       "; reductions accept ", kReducibleDtypes);
 
   Reduction r;
+  r.scalar_type = dtype;
+  r.kind = kind;
   r.dtype = *ccl_type;
   const bool is_bool = dtype == at::kBool;
   const bool is_complex = at::isComplexType(dtype);

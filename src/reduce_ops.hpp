@@ -12,6 +12,8 @@
 namespace oneccl_bind_pt {
 
 struct Reduction {
+  at::ScalarType scalar_type = at::kFloat;                  // the tensors' dtype
+  c10d::ReduceOp::RedOpType kind = c10d::ReduceOp::SUM;     // as the user asked
   ccl::datatype dtype = ccl::datatype::float32;
   ccl::reduction op = ccl::reduction::sum;
   // Bitwise ops run as a custom reduction function. oneCCL accepts custom

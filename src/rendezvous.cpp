@@ -91,4 +91,38 @@ std::shared_ptr<ccl::kvs> rendezvous(
   return kvs;
 }
 
+std::vector<std::string> exchange(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const std::string& key,
+    const std::string& mine,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) {
+    keys.push_back(key + "/" + std::to_string(r));
+  }
+  store->set(keys[rank], std::vector<uint8_t>(mine.begin(), mine.end()));
+  try {
+    store->wait(keys, timeout);
+  } catch (const c10::Error&) {
+    std::ostringstream missing;
+    for (int r = 0; r < size; ++r) {
+      if (!store->check({keys[r]})) {
+        missing << (missing.tellp() > 0 ? ", " : "") << r;
+      }
+    }
+    fail("rank " + std::to_string(rank) + " waited " + std::to_string(timeout.count() / 1000.0) +
+         " s for the other ranks of this process group (" + key + "); missing ranks: " +
+         missing.str() + ". Every rank must create the group and none may have exited.");
+  }
+  std::vector<std::string> all;
+  all.reserve(size);
+  for (int r = 0; r < size; ++r) {
+    auto bytes = store->get(keys[r]);
+    all.emplace_back(bytes.begin(), bytes.end());
+  }
+  return all;
+}
+
 } // namespace oneccl_bind_pt

@@ -10,6 +10,8 @@
 
 #include <chrono>
 #include <memory>
+#include <string>
+#include <vector>
 
 namespace oneccl_bind_pt {
 
@@ -17,6 +19,16 @@ namespace oneccl_bind_pt {
 // has arrived; throws DistBackendError naming the missing ranks on timeout.
 std::shared_ptr<ccl::kvs> rendezvous(
     const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout);
+
+// Every rank contributes `mine` under `key`; returns all ranks' values, by
+// rank. Throws DistBackendError naming the missing ranks on timeout.
+std::vector<std::string> exchange(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const std::string& key,
+    const std::string& mine,
     int rank,
     int size,
     std::chrono::milliseconds timeout);

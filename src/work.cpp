@@ -1,5 +1,7 @@
 #include "work.hpp"
 
+#include "errors.hpp"
+
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
@@ -59,7 +61,11 @@ WorkCCL::WorkCCL(
       deadline_(Clock::now() + timeout),
       lane_(Callbacks::get().lane_for_new_work()) {}
 
-WorkCCL::~WorkCCL() = default;
+// The Pending first: it may refer to the group's transport, which the
+// Communicator (destroyed with our other members) owns.
+WorkCCL::~WorkCCL() {
+  pending.reset();
+}
 
 std::string WorkCCL::describe() const {
   return std::string(op_.name) + " (rank " + std::to_string(comm_->rank()) + " of " +
@@ -81,19 +87,22 @@ bool WorkCCL::poll_locked(Clock::time_point now) {
     }
     return true;
   }
+  if (!pending) {
+    return true;
+  }
   try {
-    while (next_event_ < events.size()) {
-      if (!events[next_event_].test()) {
-        break;
-      }
-      ++next_event_;
-    }
-    if (next_event_ == events.size()) {
+    if (pending->poll()) {
+      source_rank_ = pending->source_rank();
       return true;
     }
+  } catch (const CollectiveMismatch&) {
+    error_ = std::current_exception(); // found before any data moved: the group stays usable
+    return true;
   } catch (const std::exception& e) {
-    const auto msg = "ccl " + describe() + ": oneCCL failed while running it: " + e.what() +
-        ". The process group can no longer be used.";
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    const auto msg = c10_error ? std::string(c10_error->what_without_backtrace())
+                               : "ccl " + describe() + ": oneCCL failed while running it: " + e.what() +
+            ". The process group can no longer be used.";
     comm_->mark_broken(msg);
     error_ = backend_error(msg);
     expired_ = true;
@@ -123,9 +132,9 @@ void WorkCCL::complete() {
   }
   on_success = nullptr;
   parts.clear();
-  if (!expired_) {
-    // oneCCL is done with these; an expired op keeps them, as it may not be.
-    events.clear();
+  if (!expired_ || (pending && !pending->buffers_in_use_after_abort())) {
+    // The transport is done with these; an expired oneCCL op keeps them, as it may not be.
+    pending.reset();
     buffers.clear();
   }
   finish(error);

@@ -2,10 +2,11 @@
 //
 // A WorkCCL lives through three phases, as ProcessGroupGloo's AsyncWork does:
 //  1. issue: the backend checks and prepares inputs in the caller's thread
-//     and starts non-blocking oneCCL calls, whose events the Work holds;
+//     and starts the op on its group's transport (transport.hpp), which hands
+//     back a Pending the Work holds; a small op often completes right there;
 //  2. progress: with oneCCL's worker thread off (our default, see
-//     oneccl_bind_pt/_env.py) an operation only advances while someone tests
-//     its event: the thread in wait(), or the background thread of Progress
+//     oneccl_bind_pt/_env.py) an operation only advances while someone polls
+//     its Pending: the thread in wait(), or the background thread of Progress
 //     once a Future was handed out;
 //  3. complete: post-processing runs (copy-out, averaging), then the Work is
 //     marked done, or failed with the error, and its Future's completion is
@@ -14,6 +15,7 @@
 
 #include "callbacks.hpp"
 #include "communicator.hpp"
+#include "transport.hpp"
 
 #include <ATen/core/ivalue.h>
 #include <oneapi/ccl.hpp>
@@ -51,6 +53,7 @@ class WorkCCL : public c10d::Work {
 
   bool isCompleted() override;
   bool isSuccess() const override;
+  int sourceRank() const override { return source_rank_; }
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void synchronize() override {}
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
@@ -59,8 +62,8 @@ class WorkCCL : public c10d::Work {
   const OpInfo& op() const { return op_; }
 
   // Filled while the op is issued (phase 1).
-  std::vector<ccl::event> events;
-  std::vector<at::Tensor> buffers; // memory oneCCL reads or writes, kept alive until done
+  std::unique_ptr<Pending> pending; // what the transport has in flight
+  std::vector<at::Tensor> buffers; // memory the transport reads or writes, kept alive until done
   std::function<void()> on_success; // phase 3 post-processing
   std::vector<c10::intrusive_ptr<WorkCCL>> parts; // a coalesced Work completes with its parts
   // When set, the Future carries these lists (List[List[Tensor]]) instead of
@@ -69,9 +72,10 @@ class WorkCCL : public c10d::Work {
 
  private:
   friend class Progress;
+  friend class ProcessGroupCCL; // completes ops that finish while being issued
 
-  // Tests outstanding events; true once nothing is in flight any more (done,
-  // failed or expired). Called with Progress's oneCCL lock held.
+  // Polls the Pending; true once nothing is in flight any more (done,
+  // failed or expired). Called with Progress's lock held.
   bool poll_locked(Clock::time_point now);
   // Phase 3; runs without the lock since Future callbacks may issue new ops.
   void complete();
@@ -84,7 +88,7 @@ class WorkCCL : public c10d::Work {
   const int64_t numel_;
   const std::chrono::milliseconds timeout_;
   const Clock::time_point deadline_;
-  size_t next_event_ = 0;
+  int source_rank_ = -1;
   std::exception_ptr error_; // set by poll_locked, consumed by complete
   bool expired_ = false;
   std::atomic<bool> done_{false};

@@ -21,10 +21,10 @@ def test_bench_runs_every_op_and_checks_results(tmp_path):
     points = result["points"]
     ops = {p["op"] for p in points}
     assert ops == {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "sendrecv"}
-    assert {p["backend"] for p in points} == {"ccl", "pg", "gloo", "raw"}
+    assert {p["backend"] for p in points} == {"ccl", "pg", "oneccl", "gloo", "raw"}
     assert {p["bytes"] for p in points if p["op"] == "allreduce"} == {4, 128, 4096}
     bad = [p for p in points if not p["correct"]]
     assert not bad, bad
     assert all(p["median_us"] > 0 and p["p90_us"] >= p["median_us"] for p in points)
     assert png.stat().st_size > 10_000
-    assert "gloo/ccl" in proc.stdout
+    assert "gloo/ccl" in proc.stdout and "oneccl/ccl" in proc.stdout

@@ -68,7 +68,6 @@ def _cases(rank, world):
             lambda: dist.reduce_scatter_single(torch.empty(1, dtype=torch.float8_e4m3fn),
                                                torch.zeros(world, dtype=torch.float8_e4m3fn)),
             ["reduce_scatter_single", "float8"]),
-        "recv from any source": (lambda: dist.recv(torch.empty(2)), ["recv", "any source"]),
         "monitored_barrier": (lambda: dist.monitored_barrier(), ["monitored_barrier"]),
     }
 
@@ -98,8 +97,8 @@ def _reduce_root(pg, root):
 
 
 # Not run on gloo: it aborts the process on the first two (a failed CHECK, not an
-# exception) and supports the last two (recv from any source would wait for a sender).
-GLOO_SKIPS = {"reduce_scatter_tensor sizes", "float8 reduce", "recv from any source", "monitored_barrier"}
+# exception) and supports the last.
+GLOO_SKIPS = {"reduce_scatter_tensor sizes", "float8 reduce", "monitored_barrier"}
 
 
 def _error_classes(rank, world):

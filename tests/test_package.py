@@ -133,11 +133,20 @@ def test_doctor_selftest_passes_and_flags_problems(tmp_path):
     assert "(built against 2.13.0+cpu: match)" in ok.stdout
     assert "self-test        PASS" in ok.stdout
     assert "CCL_WORKER_OFFLOAD=0" in ok.stdout  # the defaults it applied are shown
-    # mpirun installed but not on PATH: a problem, with the fix.
+    # The environment's mpirun exists but no mpirun is on PATH: a problem, with the fix.
+    (tmp_path / "nobin").mkdir()
     bad = subprocess.run([sys.executable, "-m", "oneccl_bind_pt.doctor"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120, env={**base, "PATH": "/usr/bin:/bin"})
+                         capture_output=True, text=True, timeout=120, env={**base, "PATH": str(tmp_path / "nobin")})
     assert bad.returncode == 1
     assert "mpirun is not on PATH: source" in bad.stderr and "setvars.sh" in bad.stderr
+    # Another MPI's mpirun first on PATH (Open MPI, MPICH): supported, but named.
+    (tmp_path / "otherbin").mkdir()
+    (tmp_path / "otherbin" / "mpirun").write_text("#!/bin/sh\n")
+    (tmp_path / "otherbin" / "mpirun").chmod(0o755)
+    other = subprocess.run([sys.executable, "-m", "oneccl_bind_pt.doctor"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120, env={**base, "PATH": str(tmp_path / "otherbin")})
+    assert other.returncode == 0, other.stdout + other.stderr
+    assert "not this environment's Intel MPI" in other.stdout
     # Another libfabric first on LD_LIBRARY_PATH would be loaded instead of the environment's.
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "libfabric.so.1").write_bytes(b"")

@@ -46,12 +46,20 @@ def _powersgd_state(group):
                                   min_compression_rate=0.5, random_seed=0)
 
 
+# Kept until the ranks exit: gloo's group joins its worker threads when
+# destroyed, and a future chain may drop the last reference on one of them.
+_KEEP = []
+
+
 def _powersgd(rank, world):
     gloo = dist.new_group(backend="gloo")
+    _KEEP.append(gloo)
     # (batched_powerSGD_hook fails inside torch 2.13 itself, on gloo too: its
     # _orthogonalize asserts on the 2-D matrix the hook passes.)
-    ccl = _train(rank, None, powerSGD.powerSGD_hook, _powersgd_state(None))
-    ref = _train(rank, gloo, powerSGD.powerSGD_hook, _powersgd_state(gloo))
+    states = [_powersgd_state(None), _powersgd_state(gloo)]
+    _KEEP.extend(states)
+    ccl = _train(rank, None, powerSGD.powerSGD_hook, states[0])
+    ref = _train(rank, gloo, powerSGD.powerSGD_hook, states[1])
     torch.testing.assert_close(ccl, ref, rtol=1e-6, atol=1e-7)
     return ccl.sum().item()
 

@@ -1,0 +1,30 @@
+// Reduction kernels for the shared-memory transport: one table for every
+// reduce op x dtype the backend accepts.
+//
+// A kernel combines n inputs element-wise, always in rank order
+// (((in[0] op in[1]) op in[2]) ...), so every rank that reduces the same
+// buffers gets bit-identical output. bfloat16 and float16 accumulate in
+// float32 and round once at the end.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <cstddef>
+
+namespace oneccl_bind_pt {
+
+// out[i] = in[0][i] op ... op in[n-1][i] for i < count. `out` may alias one
+// of the inputs. `count` is in elements of the kernel's type (complex types
+// are handled as pairs of their real type by the caller).
+using ReduceKernel = void (*)(void* out, const void* const* in, int n, size_t count);
+
+// The kernel for `op` on `dtype`, or nullptr when there is none.
+// AVG and PREMUL_SUM use the SUM kernel (the caller scales); bool uses
+// logical or (SUM, MAX) and logical and (PRODUCT, MIN).
+ReduceKernel reduce_kernel(at::ScalarType dtype, c10d::ReduceOp::RedOpType op);
+
+// The element type a kernel sees for `dtype` (complex -> its real type).
+at::ScalarType kernel_dtype(at::ScalarType dtype);
+
+} // namespace oneccl_bind_pt

@@ -1,0 +1,126 @@
+// The shared-memory transport: ranks of one process group on one host.
+//
+// Each rank creates one anonymous segment (memfd: never a name in /dev/shm,
+// so nothing is left behind, whatever kills the process) and maps every
+// peer's through /proc/<pid>/fd/<fd>, which only the same user can open.
+// A segment holds what its owner writes: a step counter, the signature of
+// the collective it is running, two staging buffers (steps alternate between
+// them, so no step needs a closing barrier), and one ring of message slots
+// per peer for send/recv.
+//
+// Collectives run one step per Prim, in issue order (a FIFO per group):
+//  1. stage: copy this rank's input into its buffer, write its signature,
+//     publish the step number;
+//  2. meet: once every rank has published it, compare signatures (a
+//     mismatch raises on every rank, names what each rank called, and leaves
+//     the group usable) and decide, from what every rank staged, whether the
+//     data moves here or through oneCCL (above the size limit of the op);
+//  3. move: read peers' buffers (reductions fold them in rank order: every
+//     rank's result is bit-identical), or run the Prim through oneCCL.
+// send/recv stream through the rings and match by (source, tag) in order,
+// with an unexpected-message queue; a recv may take any source.
+#pragma once
+
+#include "transport.hpp"
+
+#include <oneapi/ccl.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace oneccl_bind_pt {
+
+struct ShmLimits {
+  // Largest bytes a rank stages for one step of each kind; above, oneCCL.
+  size_t allreduce, reduce, broadcast, allgather, alltoall, reduce_scatter;
+  size_t max() const;
+  size_t of(Prim::Kind kind) const;
+  // From ONECCL_BIND_PT_SHM_MAX_BYTES (one value for every kind) or the
+  // measured defaults.
+  static ShmLimits from_env();
+};
+
+// Whether the shared-memory transport is on (ONECCL_BIND_PT_SHM, default 1).
+bool shm_enabled();
+
+class ShmPending;
+class ShmRecv;
+class ShmSend;
+
+class Shm {
+ public:
+  // Collective over the group: returns nullptr (on every rank alike) unless
+  // all ranks run on this host and each could map every peer's segment.
+  static std::unique_ptr<Shm> connect(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      int rank,
+      int size,
+      std::chrono::milliseconds timeout,
+      ccl::communicator* ccl);
+  ~Shm();
+
+  // Starts `prims` (collectives of one op, or one send/recv). `op` names the
+  // op in errors and in the signature peers compare.
+  std::unique_ptr<Pending> start(const char* op, std::vector<Prim> prims);
+
+  const ShmLimits& limits() const { return limits_; }
+  // "shm" or "oneccl": where a step of `kind` staging `bytes` runs.
+  const char* path(Prim::Kind kind, size_t bytes) const;
+
+  struct Layout;
+  struct Sig;
+  struct SlotHeader;
+
+ private:
+  friend class ShmPending;
+  friend class ShmRecv;
+  friend class ShmSend;
+
+  Shm(int rank, int size, ccl::communicator* ccl);
+
+  // send/recv engine (under the progress lock, like everything here)
+  void progress_p2p();
+  void pump_sends(int peer);
+  void pump_incoming(int peer);
+  void check_peer_alive(int peer, const char* op);
+
+  // Where things live in rank q's segment.
+  uint64_t* arrived(int q) const;
+  uint64_t* reduced(int q) const;
+  Sig* sig(int q, uint64_t step) const;
+  uint64_t* counts(int q, uint64_t step) const; // send counts, then recv counts
+  char* buffer(int q, uint64_t step) const;
+  uint64_t* ring_head(int src, int dst) const; // in src's segment
+  uint64_t* ring_tail(int dst, int src) const; // in dst's segment
+  SlotHeader* slot(int src, int dst, uint64_t index) const;
+
+  int rank_;
+  int size_;
+  ccl::communicator* ccl_; // for steps above the limits
+  ShmLimits limits_;
+  std::unique_ptr<Layout> layout_;
+  std::vector<char*> bases_; // every rank's segment, mapped; ours at rank_
+  std::vector<int> pids_;
+
+  // collectives
+  uint64_t next_step_ = 0;
+  std::deque<ShmPending*> fifo_;
+
+  // send/recv
+  struct Incoming; // a message being received, or waiting for its recv
+  std::vector<std::deque<ShmSend*>> sends_;           // per destination
+  std::vector<uint64_t> next_msg_;                    // per destination
+  std::vector<std::unique_ptr<Incoming>> current_in_; // per source: message mid-stream
+  std::list<std::unique_ptr<Incoming>> unexpected_;   // arrived before their recv
+  std::list<ShmRecv*> posted_;                        // recvs waiting, in post order
+};
+
+} // namespace oneccl_bind_pt

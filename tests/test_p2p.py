@@ -1,0 +1,132 @@
+"""send/recv: tags, recv from any source, and no stale message after a refusal.
+
+On one host p2p runs through shared memory, which matches messages by
+(source, tag) as gloo does and can receive from any source. Across hosts
+oneCCL carries it, with neither; there a recv from any source is refused and
+the group's p2p is switched off, so no later recv can take the message that
+was meant for it (ONECCL_BIND_PT_SHM=0 gives that path on one host).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+
+NO_SHM = {"ONECCL_BIND_PT_SHM": "0"}
+
+
+def _tags_out_of_order(rank, world):
+    if rank == 0:
+        # isend: gloo's blocking send would wait for its own recv first.
+        works = [dist.isend(torch.full((4,), float(tag)), dst=1, tag=tag) for tag in (1, 2, 3)]
+        for w in works:
+            w.wait()
+        return None
+    got = {}
+    for tag in (3, 1, 2):  # received in another order than sent
+        t = torch.empty(4)
+        dist.recv(t, src=0, tag=tag)
+        got[tag] = t[0].item()
+    return got
+
+
+@pytest.mark.parametrize("backend", ["ccl", "gloo"])
+def test_recv_matches_by_tag(backend):
+    assert run_ranks(_tags_out_of_order, 2, backend=backend)[1] == {1: 1.0, 2: 2.0, 3: 3.0}
+
+
+def _any_source(rank, world):
+    # Every other rank sends its rank to rank 0, in whatever order they come.
+    if rank != 0:
+        dist.send(torch.full((3,), float(rank)), dst=0, tag=7)
+        return None
+    seen = []
+    for _ in range(world - 1):
+        t = torch.empty(3)
+        work = dist.irecv(t, tag=7)  # src=None
+        work.wait()
+        assert t.tolist() == [float(work._source_rank())] * 3
+        seen.append(work._source_rank())
+    return sorted(seen)
+
+
+@pytest.mark.parametrize("backend", ["ccl", "gloo"])
+def test_recv_from_any_source(backend):
+    assert run_ranks(_any_source, 3, backend=backend)[0] == [1, 2]
+
+
+def _then_batch(rank, world):
+    """recv(src=None) while rank 1's message waits, then a batch_isend_irecv."""
+    first = torch.full((2,), 1.0)
+    second = torch.full((2,), 2.0)
+    got = torch.empty(2)
+    if rank == 1:
+        dist.send(first, dst=0)
+    outcome = None
+    if rank == 0:
+        try:
+            dist.recv(got)
+            outcome = ("received", got.tolist())
+        except RuntimeError as e:
+            outcome = ("refused", str(e))
+    ops = [dist.P2POp(dist.isend, second, 0)] if rank == 1 else [dist.P2POp(dist.irecv, got, 1)]
+    try:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        after = got.tolist() if rank == 0 else "sent"
+    except RuntimeError as e:
+        after = f"raised: {e}"
+    return outcome, after
+
+
+def test_any_source_then_batch_gets_the_right_message():
+    outcome, after = run_ranks(_then_batch, 2)[0]
+    assert outcome == ("received", [1.0, 1.0])
+    assert after == [2.0, 2.0]
+
+
+def test_refused_any_source_leaves_no_stale_message_behind():
+    results = run_ranks(_then_batch, 2, env=NO_SHM, pg_timeout=5)
+    outcome, after = results[0]
+    assert outcome[0] == "refused" and "any source" in outcome[1], outcome
+    # Without a wildcard receive, rank 1's first message is still queued: the
+    # batch must not hand it to rank 0 as if it were the second.
+    assert isinstance(after, str) and "point-to-point ops are disabled" in after, after
+
+
+def _size_mismatch(rank, world):
+    if rank == 1:
+        dist.send(torch.ones(8), dst=0)
+        dist.send(torch.full((2,), 5.0), dst=0)
+        return None
+    try:
+        dist.recv(torch.empty(4), src=1)
+    except RuntimeError as e:
+        assert "has 32 bytes but the receive tensor holds 16" in str(e), str(e)
+    else:
+        raise AssertionError("a recv into a smaller tensor succeeded")
+    t = torch.empty(2)
+    dist.recv(t, src=1)  # the bad message was consumed: the next one is intact
+    return t.tolist()
+
+
+def test_recv_of_the_wrong_size_raises_and_p2p_goes_on():
+    assert run_ranks(_size_mismatch, 2)[0] == [5.0, 5.0]
+
+
+def _large_both_ways(rank, world):
+    # Larger than the rings between two ranks: both sides stream at once.
+    peer = 1 - rank
+    out = torch.arange(3_000_000, dtype=torch.float32) + rank
+    got = torch.empty_like(out)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, got, peer)])
+    for w in works:
+        w.wait()
+    return torch.equal(got, torch.arange(3_000_000, dtype=torch.float32) + peer)
+
+
+def test_large_messages_stream_both_ways():
+    assert all(run_ranks(_large_both_ways, 2))

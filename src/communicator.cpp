@@ -143,7 +143,16 @@ Communicator::Communicator(
   shm_ = Shm::connect(store, rank, size, timeout, &*comm_);
 }
 
-Communicator::~Communicator() = default;
+Communicator::~Communicator() {
+  // oneCCL's teardown talks to the group's key-value store, which rank 0
+  // hosts; if a peer has already exited without tearing down its side (its
+  // group broke), oneCCL throws from a destructor and aborts the process. So
+  // a group that knows a peer is gone leaves its oneCCL objects be.
+  if (shm_ && shm_->any_peer_gone()) {
+    static auto* graveyard = new std::vector<std::pair<ccl::communicator, std::shared_ptr<ccl::kvs>>>();
+    graveyard->emplace_back(std::move(*comm_), kvs_);
+  }
+}
 
 std::unique_ptr<Pending> Communicator::start(const char* op, std::vector<Prim> prims) {
   if (shm_) {
@@ -157,6 +166,28 @@ void Communicator::mark_broken(const std::string& why) {
   if (!broken_.load(std::memory_order_relaxed)) {
     why_ = why;
     broken_.store(true, std::memory_order_release);
+  }
+}
+
+void Communicator::add_completion_hook(int64_t id, std::function<void(uint64_t)> hook) {
+  std::lock_guard<std::mutex> lock(hooks_mutex_);
+  hooks_[id] = std::move(hook);
+  has_hooks_.store(true, std::memory_order_release);
+}
+
+void Communicator::remove_completion_hook(int64_t id) {
+  std::lock_guard<std::mutex> lock(hooks_mutex_);
+  hooks_.erase(id);
+  has_hooks_.store(!hooks_.empty(), std::memory_order_release);
+}
+
+void Communicator::completed(uint64_t key) const {
+  if (!has_hooks_.load(std::memory_order_acquire)) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(hooks_mutex_);
+  for (const auto& entry : hooks_) {
+    entry.second(key);
   }
 }
 

@@ -12,6 +12,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -47,6 +49,12 @@ class Communicator {
   int rank() const { return rank_; }
   int size() const { return size_; }
 
+  // Completion hooks (torch's FlightRecorder, 2.15 on): each is called with
+  // the Work's completion key once for every op that succeeds.
+  void add_completion_hook(int64_t id, std::function<void(uint64_t)> hook);
+  void remove_completion_hook(int64_t id);
+  void completed(uint64_t key) const;
+
   // After a timeout or a oneCCL failure, operations may still be in flight and
   // peers may sit in different collectives: nothing more can run safely.
   void mark_broken(const std::string& why);
@@ -60,6 +68,9 @@ class Communicator {
   std::optional<ccl::communicator> comm_;
   std::unique_ptr<Shm> shm_;
   std::atomic<bool> broken_{false};
+  std::atomic<bool> has_hooks_{false};
+  mutable std::mutex hooks_mutex_;
+  std::map<int64_t, std::function<void(uint64_t)>> hooks_;
   mutable std::mutex why_mutex_;
   std::string why_;
 };

@@ -27,9 +27,10 @@ constexpr OpInfo kAllgatherBase{
 constexpr OpInfo kAllgatherCoalesced{
     OpType::ALLGATHER_COALESCED, "allgather_coalesced", "pg::allgather_coalesced"};
 constexpr OpInfo kAllgatherIntoTensorCoalesced{
-    OpType::COALESCED, "all_gather_into_tensor_coalesced",
+    compat::kAllgatherIntoTensorCoalesced, "all_gather_into_tensor_coalesced",
     "pg::all_gather_into_tensor_coalesced"};
 constexpr OpInfo kGather{OpType::GATHER, "gather", "pg::gather"};
+constexpr OpInfo kGatherSingle{OpType::GATHER, "gather_single", "pg::gather_single"};
 constexpr OpInfo kScatter{OpType::SCATTER, "scatter", "pg::scatter"};
 constexpr OpInfo kReduceScatter{OpType::REDUCE_SCATTER, "reduce_scatter", "pg::reduce_scatter"};
 constexpr OpInfo kReduceScatterBase{
@@ -230,10 +231,6 @@ std::vector<size_t> byte_counts(const std::vector<at::Tensor>& tensors) {
 
 using K = Prim::Kind;
 
-std::shared_ptr<const Reduction> shared(Reduction red) {
-  return std::make_shared<const Reduction>(std::move(red));
-}
-
 // A data-movement Prim that counts bytes.
 Prim bytes(K kind, const void* src, void* dst, size_t count, int peer = -1, int tag = 0) {
   Prim p{kind};
@@ -370,7 +367,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allreduce(
     const c10d::AllreduceOptions& opts) {
   const char* op = kAllreduce.name;
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
-  auto red = shared(resolve_reduction(op, opts.reduceOp, t.scalar_type()));
+  auto red = resolve_reduction(op, opts.reduceOp, t.scalar_type());
   red->scale_inplace(t);
   const int size = getSize();
   Call call{kAllreduce, pick_timeout(opts.timeout, timeout_), {t}, {t}};
@@ -390,7 +387,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allreduce_coalesced(
     check_tensor(op, tensors[i], "tensors[" + std::to_string(i) + "]");
     check_same_dtype(op, tensors[i], tensors[0], "tensors[" + std::to_string(i) + "]");
   }
-  auto red = shared(resolve_reduction(op, opts.reduceOp, tensors[0].scalar_type()));
+  auto red = resolve_reduction(op, opts.reduceOp, tensors[0].scalar_type());
   // One call on a flat copy: one latency instead of one per tensor.
   at::Tensor flat = flatten_copy(tensors);
   red->scale_inplace(flat);
@@ -410,7 +407,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce(
   const char* op = kReduce.name;
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
   check_rank(op, "root rank", opts.rootRank, getSize());
-  auto red = shared(resolve_reduction(op, opts.reduceOp, t.scalar_type()));
+  auto red = resolve_reduction(op, opts.reduceOp, t.scalar_type());
   const int root = static_cast<int>(opts.rootRank);
   const bool is_root = getRank() == root;
   const int size = getSize();
@@ -453,7 +450,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter_tensor_coalesced(
   std::vector<std::shared_ptr<const Reduction>> reds;
   std::vector<at::Tensor> sends;
   for (const auto& in : inputs) {
-    auto red = shared(resolve_reduction(op, opts.reduceOp, in.scalar_type()));
+    auto red = resolve_reduction(op, opts.reduceOp, in.scalar_type());
     at::Tensor send = in;
     if (red->premul || red->allreduce_only()) {
       send = in.clone(); // the caller's input stays untouched
@@ -492,7 +489,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter(
   check_list(op, inputs[0], out, getSize(), "input_list");
   const int size = getSize();
   const int rank = getRank();
-  auto red = shared(resolve_reduction(op, opts.reduceOp, out.scalar_type()));
+  auto red = resolve_reduction(op, opts.reduceOp, out.scalar_type());
   bool even = true;
   for (const auto& t : inputs[0]) {
     even = even && t.numel() == inputs[0][0].numel();
@@ -653,6 +650,44 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::gather(
   call.prims.push_back(alltoallv(ptr(in), std::move(send_counts), ptr(flat), std::move(recv_counts)));
   return run(std::move(call));
 }
+
+#if OBPT_HAS_GATHER_SINGLE
+// Into one flat tensor on the root (world size x input); others pass an empty one.
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::gather_single(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::GatherOptions& opts) {
+  const char* op = kGatherSingle.name;
+  const int size = getSize();
+  check_rank(op, "root rank", opts.rootRank, size);
+  const int root = static_cast<int>(opts.rootRank);
+  check_tensor(op, input, "input");
+  std::vector<size_t> send_counts(size, 0), recv_counts(size, 0);
+  send_counts[root] = nbytes(input);
+  if (getRank() == root) {
+    check_tensor(op, output, "output");
+    check_same_dtype(op, output, input, "output");
+    CCL_CHECK_ARG(
+        output.numel() == input.numel() * size, "ccl ", op, ": output has ", output.numel(),
+        " elements; expected world size (", size, ") x input = ", input.numel() * size,
+        " (output tensor size must be equal to world_size times input tensor size)");
+    recv_counts.assign(size, nbytes(input));
+  }
+  Call call{kGatherSingle, pick_timeout(opts.timeout, timeout_), {input}, {output}};
+  call.prims.push_back(alltoallv(ptr(input), std::move(send_counts), ptr(output), std::move(recv_counts)));
+  return run(std::move(call));
+}
+#endif
+
+#if OBPT_HAS_COMPLETION_HOOKS
+void ProcessGroupCCL::registerCompletionHook(int64_t id, c10d::CompletionHook hook) {
+  comm_->add_completion_hook(id, [hook = std::move(hook)](uint64_t key) {
+    c10d::CompletionHookArgs args;
+    args.completionKey = key;
+    hook(args);
+  });
+}
+#endif
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::scatter(
     std::vector<at::Tensor>& outputs,

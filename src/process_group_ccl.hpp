@@ -4,6 +4,7 @@
 #pragma once
 
 #include "communicator.hpp"
+#include "compat.hpp"
 #include "work.hpp"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -33,6 +34,11 @@ class ProcessGroupCCL : public c10d::Backend {
   // ranks before every collective. Like gloo's, they start at 0 on every rank
   // and count every op issued.
   void setSequenceNumberForGroup() override {}
+#if OBPT_HAS_COMPLETION_HOOKS
+  bool supportsCompletionHooks() const override { return true; }
+  void registerCompletionHook(int64_t id, c10d::CompletionHook hook) override;
+  void unregisterCompletionHook(int64_t id) override { comm_->remove_completion_hook(id); }
+#endif
   uint64_t getSequenceNumberForGroup() override { return seq_.load(std::memory_order_relaxed); }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
@@ -69,6 +75,12 @@ class ProcessGroupCCL : public c10d::Backend {
       std::vector<std::vector<at::Tensor>>& outputs,
       std::vector<at::Tensor>& inputs,
       const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+#if OBPT_HAS_GATHER_SINGLE
+  c10::intrusive_ptr<c10d::Work> gather_single(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+#endif
   c10::intrusive_ptr<c10d::Work> scatter(
       std::vector<at::Tensor>& outputs,
       std::vector<std::vector<at::Tensor>>& inputs,

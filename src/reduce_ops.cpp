@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 
 #include <functional>
+#include <map>
+#include <mutex>
 
 namespace oneccl_bind_pt {
 
@@ -89,7 +91,9 @@ void Reduction::finish(at::Tensor& t, int group_size) const {
   }
 }
 
-Reduction resolve_reduction(
+namespace {
+
+Reduction make_reduction(
     const char* op_name,
     const c10d::ReduceOp& op,
     at::ScalarType dtype) {
@@ -182,6 +186,31 @@ Reduction resolve_reduction(
           "; expected one of SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM");
   }
   return r;
+}
+
+} // namespace
+
+std::shared_ptr<const Reduction> resolve_reduction(
+    const char* op_name,
+    const c10d::ReduceOp& op,
+    at::ScalarType dtype) {
+  if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
+    return std::make_shared<const Reduction>(make_reduction(op_name, op, dtype));
+  }
+  // Building one copies a oneCCL attribute and allocates: once per (op, dtype).
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, std::shared_ptr<const Reduction>> cache;
+  const auto key = std::make_pair(static_cast<int>(op.op_), static_cast<int>(dtype));
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find(key);
+    if (it != cache.end()) {
+      return it->second;
+    }
+  }
+  auto made = std::make_shared<const Reduction>(make_reduction(op_name, op, dtype)); // throws if refused
+  std::lock_guard<std::mutex> lock(mutex);
+  return cache.emplace(key, std::move(made)).first->second;
 }
 
 } // namespace oneccl_bind_pt

@@ -6,6 +6,7 @@
 #include <oneapi/ccl.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -42,9 +43,11 @@ struct Reduction {
   ccl::allreduce_attr custom_attr_ = ccl::default_allreduce_attr;
 };
 
-// Resolves op x dtype for collective `op_name`; throws a ValueError/TypeError
-// naming the op, the reduce op, the dtype and what is accepted instead.
-Reduction resolve_reduction(
+// Resolves op x dtype for collective `op_name`; throws an ArgumentError /
+// ArgumentTypeError naming the op, the reduce op, the dtype and what is
+// accepted instead. Shared and cached per (op, dtype), except PREMUL_SUM,
+// whose factor differs per call.
+std::shared_ptr<const Reduction> resolve_reduction(
     const char* op_name,
     const c10d::ReduceOp& op,
     at::ScalarType dtype);

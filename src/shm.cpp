@@ -901,6 +901,15 @@ class ShmRecv final : public Pending {
   Clock::time_point next_check_ = Clock::now() + kLivenessAfter;
 };
 
+bool Shm::any_peer_gone() const {
+  for (int q = 0; q < size_; ++q) {
+    if (q != rank_ && process_gone(pids_[q])) {
+      return true;
+    }
+  }
+  return false;
+}
+
 void Shm::check_peer_alive(int peer, const char* op) {
   if (peer >= 0 && peer != rank_ && process_gone(pids_[peer])) {
     C10_THROW_ERROR(

@@ -72,6 +72,8 @@ class Shm {
   std::unique_ptr<Pending> start(const char* op, std::vector<Prim> prims);
 
   const ShmLimits& limits() const { return limits_; }
+  // Whether a peer's process has exited (or is a zombie).
+  bool any_peer_gone() const;
   // "shm" or "oneccl": where a step of `kind` staging `bytes` runs.
   const char* path(Prim::Kind kind, size_t bytes) const;
 

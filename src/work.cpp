@@ -27,6 +27,11 @@ int64_t total_numel(const std::vector<at::Tensor>& tensors) {
   return n;
 }
 
+uint64_t next_key() {
+  static std::atomic<uint64_t> last{0};
+  return last.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
 // Profiler rows cost an allocation per op: only pay it while a profiler listens.
 bool profiling() {
   return at::hasCallbacks();
@@ -59,7 +64,8 @@ WorkCCL::WorkCCL(
       numel_(total_numel(inputs)),
       timeout_(timeout),
       deadline_(Clock::now() + timeout),
-      lane_(Callbacks::get().lane_for_new_work()) {}
+      lane_(Callbacks::get().lane_for_new_work()),
+      key_(next_key()) {}
 
 // The Pending first: it may refer to the group's transport, which the
 // Communicator (destroyed with our other members) owns.
@@ -138,6 +144,9 @@ void WorkCCL::complete() {
     buffers.clear();
   }
   finish(error);
+  if (!error) {
+    comm_->completed(key_);
+  }
   c10::intrusive_ptr<c10::ivalue::Future> future;
   {
     std::lock_guard<std::mutex> lock(future_mutex_);

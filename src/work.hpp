@@ -15,6 +15,7 @@
 
 #include "callbacks.hpp"
 #include "communicator.hpp"
+#include "compat.hpp"
 #include "transport.hpp"
 
 #include <ATen/core/ivalue.h>
@@ -54,6 +55,12 @@ class WorkCCL : public c10d::Work {
   bool isCompleted() override;
   bool isSuccess() const override;
   int sourceRank() const override { return source_rank_; }
+#if OBPT_HAS_WORK_TIMEOUT
+  std::chrono::milliseconds getTimeout() const override { return timeout_; }
+#endif
+#if OBPT_HAS_COMPLETION_HOOKS
+  uint64_t getCompletionKey() const override { return key_; }
+#endif
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void synchronize() override {}
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
@@ -93,6 +100,7 @@ class WorkCCL : public c10d::Work {
   bool expired_ = false;
   std::atomic<bool> done_{false};
   const Callbacks::Lane lane_; // where the Future's callbacks run
+  const uint64_t key_;          // unique per Work: the completion hooks' key
   std::mutex future_mutex_;
   c10::intrusive_ptr<c10::ivalue::Future> future_; // made on first getFuture()
 };

@@ -10,10 +10,15 @@
 #     I_MPI_ROOT        =  <prefix>          Intel MPI finds its tuning files
 #     CCL_ROOT          =  <prefix>          oneCCL's tools and headers, if installed
 #     FI_PROVIDER_PATH  =  <prefix>/lib      libfabric's providers (only if unset)
-# Sourcing it twice changes nothing more.
+# and, when oneCCL's headers and shared library are installed (pip install
+# oneccl-devel: what DeepSpeed's CPU op builds and loads against):
+#     CPLUS_INCLUDE_PATH += <prefix>/include  oneapi/ccl.hpp for the op's build
+#     LD_LIBRARY_PATH    += <prefix>/lib      libccl.so.1, which has no RUNPATH
+# Programs started from this shell then take libfabric and hwloc from <prefix>/lib
+# too (docs/integrations.md). Sourcing it twice changes nothing more.
 
 _obp_usage() {
-    sed -n '2,15p' "$1" | sed 's/^# \{0,1\}//'
+    sed -n '2,21p' "$1" | sed 's/^# \{0,1\}//'
 }
 
 # Where this file is, whichever shell sources it.
@@ -73,6 +78,16 @@ export I_MPI_ROOT="$_obp_prefix"
 export CCL_ROOT="$_obp_prefix"
 if [ -z "${FI_PROVIDER_PATH:-}" ]; then
     export FI_PROVIDER_PATH="$_obp_prefix/lib"
+fi
+if [ -f "$_obp_prefix/include/oneapi/ccl.hpp" ] && [ -f "$_obp_prefix/lib/libccl.so.1" ]; then
+    case ":${CPLUS_INCLUDE_PATH:-}:" in
+        *":$_obp_prefix/include:"*) ;;
+        *) export CPLUS_INCLUDE_PATH="$_obp_prefix/include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" ;;
+    esac
+    case ":${LD_LIBRARY_PATH:-}:" in
+        *":$_obp_prefix/lib:"*) ;;
+        *) export LD_LIBRARY_PATH="$_obp_prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
+    esac
 fi
 
 unset _obp_self _obp_executed _obp_prefix

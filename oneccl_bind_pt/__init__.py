@@ -49,7 +49,7 @@ except ImportError as e:
     ) from e
 from ._env import apply_ccl_defaults as _apply_ccl_defaults  # noqa: E402
 from .errors import ArgumentError, ArgumentTypeError  # noqa: E402
-from ._env import map_launcher_env as _map_launcher_env  # noqa: E402
+from ._launchers import map_launcher_env as _map_launcher_env  # noqa: E402
 
 _C._register_error_types(ArgumentError, ArgumentTypeError)
 ProcessGroupCCL = _C.ProcessGroupCCL
@@ -71,5 +71,9 @@ if "ccl" not in _dist.Backend.backend_list:
 _dist.ProcessGroupCCL = ProcessGroupCCL
 
 atexit.register(_C._shutdown)
+
+from . import _integrations  # noqa: E402
+
+_integrations.install()
 
 __all__ = ["ArgumentError", "ArgumentTypeError", "ProcessGroupCCL", "__version__", "cwd", "launcher"]

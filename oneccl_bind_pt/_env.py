@@ -1,4 +1,4 @@
-"""Launcher detection and oneCCL defaults.
+"""oneCCL defaults.
 
 oneCCL reads its environment once, when the first communicator is created, and
 its own defaults are tuned for machines where each rank owns spare cores. On
@@ -51,11 +51,8 @@ If CCL_WORKER_COUNT or CCL_WORKER_AFFINITY is set, we leave CCL_WORKER_OFFLOAD
 alone: the user is managing oneCCL's worker threads (the classic torch-ccl
 tuning on large hosts).
 
-Launcher mapping, done on import (``map_launcher_env``): under Intel MPI's
-``mpirun`` (PMI_RANK/PMI_SIZE set) and with RANK/WORLD_SIZE unset, RANK,
-WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE are copied from the MPI variables,
-and when every rank runs on this host MASTER_ADDR defaults to 127.0.0.1 and
-MASTER_PORT to 29500, so ``init_process_group("ccl")`` works as written.
+Launcher mapping (RANK, WORLD_SIZE, ... from srun, mpirun, ...) lives in
+_launchers.py.
 """
 
 from __future__ import annotations
@@ -69,32 +66,10 @@ from collections.abc import MutableMapping
 # Variables this module set, and the value: `doctor` shows them as ours.
 applied: dict[str, str] = {}
 
-_DEFAULT_MASTER_PORT = "29500"
-
-
 def _set_default(env: MutableMapping[str, str], name: str, value: str) -> None:
     if name not in env:
         env[name] = value
         applied[name] = value
-
-
-def map_launcher_env(env: MutableMapping[str, str] = os.environ) -> str:
-    """Fill torch's env:// variables from the launcher's; return the launcher's name."""
-    if "TORCHELASTIC_RUN_ID" in env:
-        return "torchrun"
-    if "PMI_RANK" in env and "PMI_SIZE" in env:
-        _set_default(env, "RANK", env["PMI_RANK"])
-        _set_default(env, "WORLD_SIZE", env["PMI_SIZE"])
-        if "MPI_LOCALRANKID" in env:
-            _set_default(env, "LOCAL_RANK", env["MPI_LOCALRANKID"])
-        if "MPI_LOCALNRANKS" in env:
-            _set_default(env, "LOCAL_WORLD_SIZE", env["MPI_LOCALNRANKS"])
-        if env.get("MPI_LOCALNRANKS") == env["PMI_SIZE"]:
-            # Every rank is on this host; across hosts the user names rank 0's.
-            _set_default(env, "MASTER_ADDR", "127.0.0.1")
-        _set_default(env, "MASTER_PORT", _DEFAULT_MASTER_PORT)
-        return "mpirun"
-    return "none"
 
 
 def _local_layout(store, rank: int, size: int, env: MutableMapping[str, str]) -> tuple[int, int]:

@@ -18,7 +18,7 @@ import time
 import torch
 
 import oneccl_bind_pt
-from oneccl_bind_pt import _C, _env, _version
+from oneccl_bind_pt import _C, _env, _launchers, _version
 
 VARIABLE_PREFIXES = ("CCL_", "I_MPI_", "FI_", "ONECCL_BIND_PT_", "LD_LIBRARY_PATH")
 PATH_OPS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "send")
@@ -160,8 +160,11 @@ def main(argv=None) -> int:
     if ours and not on_path:
         problems.append(f"mpirun is not on PATH: source {oneccl_bind_pt.cwd}/env/setvars.sh")
 
-    launcher = _env.map_launcher_env(dict(os.environ))
-    print(f"launcher         {launcher}")
+    mapped = ", ".join(f"{k}={v} (from {src})" for k, (v, src) in _launchers.mapped.items())
+    print(f"launcher         {oneccl_bind_pt.launcher}" + (f": mapped {mapped}" if mapped else ""))
+    hint = _launchers.unmapped_launch_hint()
+    if hint:
+        print(f"                 note: {hint}")
     mine = {k: v for k, v in sorted(os.environ.items()) if k.startswith(VARIABLE_PREFIXES)}
     print("environment      " + (", ".join(f"{k}={v}" for k, v in mine.items()) or "no CCL_/I_MPI_/FI_ variables set"))
 

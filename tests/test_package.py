@@ -54,21 +54,6 @@ def test_other_torch_version_is_refused_with_a_clear_message(tmp_path):
         assert needle in proc.stderr, proc.stderr
 
 
-def test_mpirun_variables_map_to_torch_env():
-    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
-    assert _env.map_launcher_env(env) == "mpirun"
-    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2"
-    assert env["LOCAL_RANK"] == "1" and env["LOCAL_WORLD_SIZE"] == "2"
-    assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == "29500"
-
-
-def test_mpirun_across_hosts_leaves_master_addr_to_the_user():
-    env = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "RANK": "3"}
-    _env.map_launcher_env(env)
-    assert "MASTER_ADDR" not in env
-    assert env["RANK"] == "3"  # never overrides what the user set
-
-
 def test_defaults_never_override_the_user():
     store = dist.HashStore()  # only the launcher-less path writes to it
     env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "CCL_ATL_SHM": "0", "CCL_WORKER_COUNT": "2"}
@@ -97,21 +82,26 @@ PREFIX = sys.prefix
 
 @pytest.mark.parametrize("shell", ["bash", "dash"])
 def test_setvars_sourced_twice_sets_the_environment_once(shell, tmp_path):
-    script = f'. "{SETVARS}"; . "{SETVARS}"; echo "$PATH"; echo "$I_MPI_ROOT"; command -v mpirun'
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin"}  # dash asks python3 for the prefix
+    script = (f'. "{SETVARS}"; . "{SETVARS}"; echo "$PATH"; echo "$I_MPI_ROOT"; command -v mpirun; '
+              'echo "$LD_LIBRARY_PATH"; echo "$CPLUS_INCLUDE_PATH"')
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "LD_LIBRARY_PATH": "/opt/user/lib"}
     out = subprocess.run([shell, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
-                         check=True).stdout.split("\n")
+                         check=True).stdout.split("\n")  # (dash asks python3 on PATH for the prefix)
     path = out[0].split(":")
     assert path.count(os.path.join(PREFIX, "bin")) == 1, path
     assert os.path.realpath(out[1]) == os.path.realpath(PREFIX)
     assert out[2].endswith("/mpirun")
+    # oneccl-devel is installed here (the build needs it): DeepSpeed's op gets what it builds with.
+    assert os.path.exists(os.path.join(PREFIX, "lib", "libccl.so.1"))
+    assert out[3].split(":") == [os.path.join(PREFIX, "lib"), "/opt/user/lib"], out[3]
+    assert out[4].split(":") == [os.path.join(PREFIX, "include")], out[4]
 
 
 def test_setvars_refuses_to_run_and_documents_itself():
     proc = subprocess.run(["bash", SETVARS], capture_output=True, text=True)
     assert proc.returncode == 1 and "must be sourced" in proc.stderr
     helptext = subprocess.run(["bash", "-c", f'. "{SETVARS}" --help'], capture_output=True, text=True).stdout
-    for var in ("PATH", "I_MPI_ROOT", "CCL_ROOT", "FI_PROVIDER_PATH"):
+    for var in ("PATH", "I_MPI_ROOT", "CCL_ROOT", "FI_PROVIDER_PATH", "CPLUS_INCLUDE_PATH", "LD_LIBRARY_PATH"):
         assert var in helptext
 
 

@@ -1,0 +1,155 @@
+"""The launchers HPC sites run: Slurm (srun, sbatch), Open MPI and MPICH.
+
+Real launchers from Debian's packages (installed here when missing and the test
+runs as root; skipped with the command to run otherwise) start the DDP example
+as users do, with nothing exported by hand. Slurm runs as a one-node cluster
+these tests start and tear down (tests/slurm.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from slurm import SlurmCluster, missing_programs
+from test_launchers import BIN, ROOT, checksums
+
+PACKAGES = {"slurm": ["slurm-wlm", "munge"], "openmpi": ["openmpi-bin"], "mpich": ["mpich"]}
+PROGRAMS = {"slurm": ["srun", "munged"], "openmpi": ["mpirun.openmpi"], "mpich": ["mpiexec.mpich"]}
+
+
+@functools.lru_cache(maxsize=None)
+def _install(what: str) -> str | None:
+    """Installs Debian's packages for `what` if needed; returns why not, or None."""
+    def present():
+        return all(shutil.which(p) or os.path.exists(f"/usr/sbin/{p}") for p in PROGRAMS[what])
+
+    if present():
+        return None
+    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES[what]]
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return f"needs {' '.join(PACKAGES[what])}: {' '.join(cmd)} (as root)"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(cmd, capture_output=True, env=env).returncode != 0:
+        subprocess.run(["apt-get", "update"], capture_output=True, env=env)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            return f"{' '.join(cmd)} failed: {r.stderr.strip()[-300:]}"
+    return None if present() else f"{' '.join(PACKAGES[what])} installed but {PROGRAMS[what]} not found"
+
+
+def needs(what: str):
+    why = _install(what)
+    if why:
+        pytest.skip(why)
+
+
+# Variables a launcher sets per rank: the test process's own must not leak into a job.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "I_MPI_HYDRA", "HYDRA_", "SLURM_", "TORCHELASTIC_")
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS) and not k.startswith("CCL_")}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"  # `python` is this venv's
+    env.update(extra)
+    return env
+
+
+def launch(cmd, env, timeout=240):
+    start = time.monotonic()
+    p = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout + p.stderr, time.monotonic() - start
+
+
+# ---- Open MPI and MPICH -------------------------------------------------------------
+
+OMPI_ENV = {
+    # Root in a container; more ranks than cores; loopback only; no ssh needed locally.
+    "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_rmaps_base_oversubscribe": "1", "OMPI_MCA_plm_rsh_agent": "false",
+    "OMPI_MCA_oob_tcp_if_include": "lo", "OMPI_MCA_btl_tcp_if_include": "lo",
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_openmpi_runs_the_ddp_example(world):
+    needs("openmpi")
+    rc, out, _ = launch(["mpirun.openmpi", "-n", world, sys.executable, "examples/ddp.py"], clean_env(**OMPI_ENV))
+    assert rc == 0, out
+    checksums(out, world)
+
+
+def test_mpich_runs_the_ddp_example():
+    needs("mpich")
+    rc, out, _ = launch(["mpiexec.mpich", "-n", 2, sys.executable, "examples/ddp.py"], clean_env())
+    assert rc == 0, out
+    checksums(out, 2)
+
+
+# ---- Slurm ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    needs("slurm")
+    if missing_programs():
+        pytest.skip(f"Slurm's programs not found: {missing_programs()}")
+    start = time.monotonic()
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        cluster.setup_seconds = time.monotonic() - start
+        yield cluster
+
+
+def test_srun_runs_the_ddp_example(slurm):
+    rc, out, _ = launch(["srun", "-n", 2, "--immediate=60", "python", "examples/ddp.py"], slurm.env(clean_env()))
+    assert rc == 0, out
+    checksums(out, 2)
+
+
+def test_sbatch_runs_the_example_batch_script(slurm):
+    jid, state, out = slurm.sbatch_wait(ROOT / "examples/slurm/ddp.sbatch", cwd=ROOT, env=clean_env())
+    assert state == "COMPLETED", f"job {jid}: {state}\n{out}"
+    checksums(out, 2)
+
+
+def test_a_killed_task_makes_the_other_raise_and_the_job_end(slurm):
+    # Task 1 SIGKILLs itself after the first allreduce; Slurm leaves task 0 running.
+    rc, out, took = launch(["srun", "-n", 2, "--immediate=60", "python", "tests/scripts/rank_dies.py"],
+                           slurm.env(clean_env(PG_TIMEOUT="10")), timeout=120)
+    assert rc != 0, out
+    m = re.search(r"rank 0 raised after ([\d.]+) s: .*allreduce", out)
+    assert m and float(m.group(1)) <= 10, out
+    assert took < 90, took
+
+
+def test_scancel_of_a_step_ends_it(slurm):
+    script = ("import torch, torch.distributed as dist, oneccl_bind_pt, time\n"
+              "dist.init_process_group('ccl'); print('ready', dist.get_rank(), flush=True)\n"
+              "t = torch.ones(1024)\n"
+              "while True: dist.all_reduce(t)\n")
+    srun = subprocess.Popen(["srun", "-n", "2", "--immediate=60", "--job-name=spin", "python", "-P", "-c", script],
+                            cwd=ROOT, env=slurm.env(clean_env()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 120
+        job = ""
+        while time.monotonic() < deadline and not job:
+            job = slurm.run(["squeue", "-h", "-n", "spin", "-o", "%i"], check=False).stdout.strip()
+            time.sleep(0.2)
+        assert job, "the job never appeared"
+        time.sleep(5)  # both tasks inside the loop
+        slurm.run(["scancel", f"{job}.0"])
+        start = time.monotonic()
+        out, _ = srun.communicate(timeout=60)
+        assert time.monotonic() - start < 30
+        assert srun.returncode != 0 and "ready" in out, out
+    finally:
+        if srun.poll() is None:
+            srun.kill()

@@ -62,6 +62,9 @@ def _create_backend(store, rank, size, timeout):
     if not _defaults_applied:
         _apply_ccl_defaults(store, rank, size)
         _defaults_applied = True
+        # DeepSpeed imports us from inside its own comm module, before that module
+        # has defined what the fix patches; by now it has.
+        _integrations.install()
     return ProcessGroupCCL(store, rank, size, timeout)
 
 

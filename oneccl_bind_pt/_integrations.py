@@ -6,8 +6,9 @@ for r = 0, 1, 2, ... until it raises. For the WORLD group torch returns r for
 every r and never raises, so ZeRO-3 (whose parameter broadcasts pass WORLD)
 loops forever, growing without bound. WORLD means every rank: we hand it on as
 ``None``, which the method already answers with ``range(world_size)``.
-DeepSpeed imports this package before its comm module, so the fix waits for
-that module to load.
+The fix is applied when that module has loaded: at our import if it is
+complete, else as it loads, else (DeepSpeed imports us while its module is
+half-initialised) when DeepSpeed creates its ccl group.
 """
 
 from __future__ import annotations

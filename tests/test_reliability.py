@@ -279,27 +279,37 @@ def _tx_bytes(ns, dev):
     return int(out.split("TX:")[1].split("\n")[1].split()[0])
 
 
-def test_two_hosts_over_veth_match_one_host(two_hosts):
-    ns, dev, addr = two_hosts
-    port = free_port()
-    sent_before = _tx_bytes(ns[0], dev[0])
+def _torchrun_on_hosts(ns, addr, port, nproc, script, timeout):
+    """One torchrun agent per network namespace; returns each host's output (all must exit 0)."""
     # Each host gets its own host name too (a UTS namespace): oneCCL treats peers with
     # the same host name as local and would use shared memory between them.
     procs = [
         subprocess.Popen(
             ["ip", "netns", "exec", ns[k], "unshare", "--uts", "sh", "-c",
              f'hostname {ns[k]} && exec "$@"', "sh",
-             BIN / "torchrun", "--nnodes", "2", "--nproc_per_node", "1",
-             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{addr[0]}:{port}", "--rdzv_id", "twohosts",
-             "--rdzv_conf", f"is_host={k == 0}", "--local_addr", addr[k], "tests/scripts/two_hosts.py"],
+             BIN / "torchrun", "--nnodes", "2", "--nproc_per_node", str(nproc),
+             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{addr[0]}:{port}", "--rdzv_id", "hosts",
+             "--rdzv_conf", f"is_host={k == 0}", "--local_addr", addr[k], script],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={k2: v for k2, v in os.environ.items() if not k2.startswith(("CCL_", "FI_", "MASTER_"))},
+            env={k2: v for k2, v in os.environ.items() if not k2.startswith(("CCL_", "FI_", "MASTER_", "ONECCL_"))},
         )
         for k in (0, 1)
     ]
-    outs = [p.communicate(timeout=180)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out
+    return outs
+
+
+def test_two_hosts_over_veth_match_one_host(two_hosts):
+    ns, dev, addr = two_hosts
+    port = free_port()
+    sent_before = _tx_bytes(ns[0], dev[0])
+    outs = _torchrun_on_hosts(ns, addr, port, 1, "tests/scripts/two_hosts.py", timeout=180)
     two = dict(re.findall(r"rank (\d) allreduce_ok=True grad_checksum=(-?\d+\.\d{10})", "".join(outs)))
     assert sorted(two) == ["0", "1"], outs
     # The allreduce (256 KiB per rank) really crossed the veth link, over TCP.
@@ -308,3 +318,17 @@ def test_two_hosts_over_veth_match_one_host(two_hosts):
                "tests/scripts/two_hosts.py"])
     single = dict(re.findall(r"rank (\d) allreduce_ok=True grad_checksum=(-?\d+\.\d{10})", one))
     assert two == single, (two, single)
+
+
+def test_subgroup_on_one_host_takes_shared_memory_inside_a_two_host_world(two_hosts):
+    ns, dev, addr = two_hosts
+    port = free_port()
+    sent_before = _tx_bytes(ns[0], dev[0])
+    outs = _torchrun_on_hosts(ns, addr, port, 2, "tests/scripts/host_subgroups.py", timeout=240)
+    lines = re.findall(r"rank (\d) world_path=(\w+) local_path=(\w+) ok=(\w+) any_source_refused=(\S+)", "".join(outs))
+    assert sorted(r for r, *_ in lines) == ["0", "1", "2", "3"], outs
+    for rank, world_path, local_path, ok, refused in lines:
+        assert (world_path, local_path, ok) == ("oneccl", "shm", "True"), (rank, outs)
+        assert refused == ("yes" if rank == "0" else "n/a"), (rank, outs)
+    # The world's allreduces crossed the link; the subgroups' did not need it.
+    assert _tx_bytes(ns[0], dev[0]) - sent_before > 256 * 1024

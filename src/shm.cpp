@@ -37,6 +37,8 @@ constexpr int kMaxRanks = 128;            // larger groups use oneCCL
 constexpr size_t kBufferBytes = 2 << 20;
 // Allreduce up to this size: every rank folds all buffers (one meeting).
 // Above: each rank reduces its slice, then everyone gathers (two meetings).
+// Two ranks always take one meeting: each reads the peer's buffer once either
+// way, and the gather's copy and second meeting are saved.
 constexpr size_t kOneMeetingBytes = 32 << 10;
 // Waiting this long on peers, check that they are still alive.
 constexpr auto kLivenessAfter = std::chrono::milliseconds(500);
@@ -635,7 +637,7 @@ bool ShmPending::move(const Prim& p) {
     case Prim::Kind::Barrier:
       return true;
     case Prim::Kind::Allreduce: {
-      if (w * unit <= kOneMeetingBytes) {
+      if (n == 2 || w * unit <= kOneMeetingBytes) {
         reduce_kernel(p.red->scalar_type, p.red->kind)(dst + lo * unit, in, n, w);
         return true;
       }

@@ -13,7 +13,8 @@ ccl backend's own methods, skipping torch.distributed's Python layer),
 ONECCL_BIND_PT_SHM=0: every collective through oneCCL), `gloo` (the
 torch.distributed calls on a gloo group) and `raw` (the same oneCCL call on
 the ccl group's communicator from C++, with no Work, Future or Python around
-it). pg -> ccl is torch.distributed's own cost. oneCCL runs with its own
+it); `copy` is no collective but the bound on one host: one plain copy of the
+same bytes on every rank at once. pg -> ccl is torch.distributed's own cost. oneCCL runs with its own
 shared-memory transport (CCL_ATL_SHM=1), its fastest setting on one host.
 
 Reported per point: median and p90 time of one call (the slowest rank's time
@@ -41,11 +42,11 @@ import torch
 import torch.distributed as dist
 
 OPS = ["allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "sendrecv"]
-BACKENDS = ["ccl", "pg", "oneccl", "gloo", "raw"]
+BACKENDS = ["ccl", "pg", "oneccl", "gloo", "raw", "copy"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRESETS = {
     # The comparison the README quotes: a few sizes, every op, under 3 minutes.
-    "headline": dict(ops=OPS, dtypes=["float32"], sizes=[4 << 10, 256 << 10, 4 << 20, 64 << 20]),
+    "headline": dict(ops=OPS, dtypes=["float32"], sizes=[8, 4 << 10, 256 << 10, 4 << 20, 64 << 20]),
 }
 
 
@@ -109,6 +110,11 @@ class Case:
             return lambda iters: _raw(self.groups["ccl"], op, inp, out, iters)
         if backend == "pg":
             return self._backend_call()
+        if backend == "copy":
+            # The bound for moving these bytes on this host: one plain copy per rank,
+            # all ranks copying at once, as in the collective.
+            src, dst = torch.ones(self.nbytes, dtype=torch.uint8), torch.empty(self.nbytes, dtype=torch.uint8)
+            return lambda: dst.copy_(src)
         g = self.groups[backend]
         if op == "allreduce":
             return lambda: dist.all_reduce(inp, group=g)
@@ -159,6 +165,8 @@ class Case:
     def check(self, backend) -> bool:
         """One call on rank-dependent data; compares with the value worked out by hand."""
         r, w = self.rank, self.world
+        if backend == "copy":
+            return True
         self.inp.copy_(torch.arange(self.inp.numel()) % 7 + r)
         self.out.zero_()
         call = self.call(backend)
@@ -326,7 +334,7 @@ def report(results, world, args):
             table.add_column(h, justify="left" if h in ("op", "dtype") else "right")
         for row in lines:
             table.add_row(*row)
-        Console(width=250).print(table)
+        Console(width=320).print(table)
     except ImportError:
         print(title)
         widths = [max(len(h), *(len(r[i]) for r in lines)) for i, h in enumerate(header)]

@@ -21,7 +21,7 @@ def test_bench_runs_every_op_and_checks_results(tmp_path):
     points = result["points"]
     ops = {p["op"] for p in points}
     assert ops == {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "sendrecv"}
-    assert {p["backend"] for p in points} == {"ccl", "pg", "oneccl", "gloo", "raw"}
+    assert {p["backend"] for p in points} == {"ccl", "pg", "oneccl", "gloo", "raw", "copy"}
     assert {p["bytes"] for p in points if p["op"] == "allreduce"} == {4, 128, 4096}
     bad = [p for p in points if not p["correct"]]
     assert not bad, bad

@@ -169,11 +169,14 @@ def _plain(rank, world):
     return _train(rank, None).tolist()
 
 
-def test_debug_detail_checks_collectives(monkeypatch):
+@pytest.mark.parametrize("transport", ["shm", "oneccl"])
+def test_debug_detail_checks_collectives(monkeypatch, transport):
     # gloo's reference comes from a run without DETAIL: under DETAIL, DDP on a
     # gloo group crashes inside torch 2.13 (its logger casts the wrapped backend
     # to ProcessGroupGloo).
     reference = run_ranks(_plain, 2, backend="gloo")
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # the ranks inherit it
-    for got, want in zip(run_ranks(_detail_mode, 2, timeout=240), reference):
+    # Across hosts (oneCCL) DETAIL is what catches a size mismatch: check it there too.
+    env = {"ONECCL_BIND_PT_SHM": "0"} if transport == "oneccl" else None
+    for got, want in zip(run_ranks(_detail_mode, 2, timeout=240, env=env), reference):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=1e-7)

@@ -96,9 +96,11 @@ def detect(env: MutableMapping[str, str] = os.environ) -> Launch:
     if "TORCHELASTIC_RUN_ID" in env:
         return Launch("torchrun")
     if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
-        key = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE") or str(os.getppid())
+        # A job id every host shares; failing that, the local daemon (same port on one host only).
+        source = next((v for v in ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE") if env.get(v)), None)
+        key = (env[source], source) if source else (f"ompi-{os.getppid()}", "launcher process")
         return _mpi(env, "openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", (key, "OMPI_MCA_ess_base_jobid"))
+                    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", key)
     if "PMI_RANK" in env and "PMI_SIZE" in env and "MPI_LOCALRANKID" in env and "MPI_LOCALNRANKS" in env:
         if "I_MPI_HYDRA_UUID" in env:
             return _mpi(env, "intel-mpi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",

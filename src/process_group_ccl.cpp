@@ -821,8 +821,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::recvAnysource(
   p2p_disabled_.store(true, std::memory_order_release);
   CCL_CHECK_ARG(
       false,
-      "ccl recv: receiving from any source (src=None) is not supported on a process group that "
-      "spans hosts: oneCCL has no wildcard receive. Pass the sender's rank as src. Point-to-point "
+      "ccl recv: receiving from any source (src=None) is not supported on a process group whose "
+      "data goes through oneCCL (it spans hosts, or ONECCL_BIND_PT_SHM=0): oneCCL has no wildcard receive. Pass the sender's rank as src. Point-to-point "
       "ops on this group now raise, since a message sent for this recv may still be queued; "
       "collectives still work.");
   return {};

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -209,7 +210,10 @@ Shm::SlotHeader* Shm::slot(int src, int dst, uint64_t index) const {
 
 bool shm_enabled() {
   const char* v = std::getenv("ONECCL_BIND_PT_SHM");
-  return !(v && (std::string(v) == "0" || std::string(v) == "off" || std::string(v) == "false"));
+  // Same reading as the Python side (_env.py), which decides CCL_ATL_SHM from it.
+  std::string s = v ? v : "1";
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  return !(s == "0" || s == "off" || s == "false");
 }
 
 ShmLimits ShmLimits::from_env() {

@@ -81,7 +81,7 @@ def test_what_the_user_set_wins():
     assert record["WORLD_SIZE"] == ("2", "SLURM_STEP_NUM_TASKS")
 
 
-def test_mpich_across_hosts_leaves_address_and_port_to_the_user():
+def test_across_hosts_without_a_shared_job_id_address_and_port_are_left_to_the_user():
     # MPICH names no job that every host shares.
     env = {**MPICH, "PMI_SIZE": "4", "PMI_RANK": "3"}
     _, values = mapped(env)
@@ -91,6 +91,11 @@ def test_mpich_across_hosts_leaves_address_and_port_to_the_user():
     intel = {**INTEL, "PMI_SIZE": "4", "PMI_RANK": "3"}
     _launchers.map_launcher_env(intel, record={})
     assert "MASTER_ADDR" not in intel and "MASTER_PORT" in intel  # the job id is shared
+    # Open MPI without a job id: the fallback key differs per host, so no port either.
+    ompi = {k: v for k, v in OMPI.items() if k not in ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE")}
+    ompi.update(OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_RANK="3")
+    _launchers.map_launcher_env(ompi, record={})
+    assert "MASTER_ADDR" not in ompi and "MASTER_PORT" not in ompi
 
 
 @pytest.mark.parametrize("env, words", [

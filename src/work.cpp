@@ -33,7 +33,7 @@ uint64_t next_key() {
   return last.fetch_add(1, std::memory_order_relaxed) + 1;
 }
 
-// Profiler rows cost an allocation per op: only pay it while a profiler listens.
+// Profiler rows cost allocations per op: only pay them while a profiler listens.
 bool profiling() {
   return at::hasCallbacks();
 }
@@ -68,18 +68,27 @@ WorkCCL::WorkCCL(
     const std::vector<at::Tensor>& inputs,
     std::vector<at::Tensor> outputs,
     std::chrono::milliseconds timeout)
+    : WorkCCL(op, std::move(comm), inputs, std::move(outputs), timeout, profiling()) {}
+
+WorkCCL::WorkCCL(
+    const OpInfo& op,
+    std::shared_ptr<Communicator> comm,
+    const std::vector<at::Tensor>& inputs,
+    std::vector<at::Tensor> outputs,
+    std::chrono::milliseconds timeout,
+    bool profiled)
     : c10d::Work(
           comm->rank(),
           op.type,
-          profiling() ? op.title : nullptr,
-          profiling() ? std::optional<std::vector<at::Tensor>>(inputs) : std::nullopt),
+          profiled ? op.title : nullptr,
+          profiled ? std::optional<std::vector<at::Tensor>>(inputs) : std::nullopt),
       op_(op),
       comm_(std::move(comm)),
       outputs_(std::move(outputs)),
       numel_(total_numel(inputs)),
       timeout_(timeout),
       deadline_(Clock::now() + timeout),
-      end_backend_event_(profiling() ? start_event(op.backend_title, inputs) : nullptr),
+      end_backend_event_(profiled ? start_event(op.backend_title, inputs) : nullptr),
       lane_(Callbacks::get().lane_for_new_work()),
       key_(next_key()) {}
 

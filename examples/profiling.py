@@ -5,7 +5,9 @@
 
 Each collective shows as its own row with its input shape (pg::allreduce),
 and the wait for it as a row carrying the element count
-(pg::wait::allreduce::sz:16).
+(pg::wait::allreduce::sz:16). It also shows as ccl:all_reduce, the
+"<backend>:<collective>" row every c10d backend emits (gloo:all_reduce on
+gloo), which PyTorch's own tools and tests look for.
 """
 
 import torch

@@ -11,7 +11,8 @@ namespace oneccl_bind_pt {
 
 namespace {
 
-void issue(ccl::communicator& comm, const Prim& p, std::vector<ccl::event>& events) {
+// `scratch`: two bytes that live as long as the op (see Barrier below).
+void issue(ccl::communicator& comm, const Prim& p, std::vector<ccl::event>& events, uint8_t* scratch) {
   using K = Prim::Kind;
   switch (p.kind) {
     case K::Allreduce:
@@ -44,7 +45,12 @@ void issue(ccl::communicator& comm, const Prim& p, std::vector<ccl::event>& even
       events.push_back(ccl::recv(p.dst, p.count, kByteType, p.peer, comm));
       break;
     case K::Barrier:
-      events.push_back(ccl::barrier(comm));
+      // ccl::barrier blocks the calling thread until every rank arrives, so
+      // it could never time out (and barrier(async_op=True) would not be
+      // asynchronous). A one-byte allreduce synchronizes the same way but
+      // returns an event we poll against the group's timeout like any op.
+      events.push_back(ccl::allreduce(
+          scratch, scratch + 1, 1, ccl::datatype::uint8, ccl::reduction::sum, comm));
       break;
   }
 }
@@ -54,7 +60,7 @@ class CclPending final : public Pending {
   CclPending(ccl::communicator& comm, const char* op, std::vector<Prim> prims) : op_(op), prims_(std::move(prims)) {
     for (const auto& p : prims_) {
       try {
-        issue(comm, p, events_);
+        issue(comm, p, events_, scratch_);
       } catch (const std::exception& e) {
         const auto msg = std::string("ccl ") + op_ + ": oneCCL rejected the call: " + e.what();
         if (events_.empty()) {
@@ -84,6 +90,9 @@ class CclPending final : public Pending {
   const char* op_;
   std::vector<Prim> prims_; // oneCCL may refer to their count vectors until done
   std::vector<ccl::event> events_;
+  // The barrier's allreduce buffers: here, since an op that timed out is
+  // kept (never freed) with its Pending while oneCCL may still write them.
+  uint8_t scratch_[2] = {0, 0};
   size_t next_ = 0;
   std::string issue_error_;
 };

@@ -16,34 +16,39 @@ namespace {
 
 using c10d::OpType;
 
-constexpr OpInfo kBroadcast{OpType::BROADCAST, "broadcast", "pg::broadcast"};
-constexpr OpInfo kAllreduce{OpType::ALLREDUCE, "allreduce", "pg::allreduce"};
+constexpr OpInfo kBroadcast{OpType::BROADCAST, "broadcast", "pg::broadcast", "ccl:broadcast"};
+constexpr OpInfo kAllreduce{OpType::ALLREDUCE, "allreduce", "pg::allreduce", "ccl:all_reduce"};
 constexpr OpInfo kAllreduceCoalesced{
-    OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", "pg::allreduce_coalesced"};
-constexpr OpInfo kReduce{OpType::REDUCE, "reduce", "pg::reduce"};
-constexpr OpInfo kAllgather{OpType::ALLGATHER, "allgather", "pg::allgather"};
+    OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", "pg::allreduce_coalesced", "ccl:all_reduce"};
+// The first step of a sparse all_reduce (see allreduce_sparse).
+constexpr OpInfo kSparseCounts{
+    OpType::ALLGATHER, "allreduce (sparse: non-zero counts)", "pg::allreduce_sparse_counts",
+    "ccl:allgather_sparse_counts"};
+constexpr OpInfo kReduce{OpType::REDUCE, "reduce", "pg::reduce", "ccl:reduce"};
+constexpr OpInfo kAllgather{OpType::ALLGATHER, "allgather", "pg::allgather", "ccl:all_gather"};
 constexpr OpInfo kAllgatherBase{
-    OpType::_ALLGATHER_BASE, "all_gather_single", "pg::all_gather_single"};
+    OpType::_ALLGATHER_BASE, "all_gather_single", "pg::all_gather_single", "ccl:all_gather_into_tensor"};
 constexpr OpInfo kAllgatherCoalesced{
-    OpType::ALLGATHER_COALESCED, "allgather_coalesced", "pg::allgather_coalesced"};
+    OpType::ALLGATHER_COALESCED, "allgather_coalesced", "pg::allgather_coalesced", "ccl:all_gather"};
 constexpr OpInfo kAllgatherIntoTensorCoalesced{
     compat::kAllgatherIntoTensorCoalesced, "all_gather_into_tensor_coalesced",
-    "pg::all_gather_into_tensor_coalesced"};
-constexpr OpInfo kGather{OpType::GATHER, "gather", "pg::gather"};
-constexpr OpInfo kGatherSingle{OpType::GATHER, "gather_single", "pg::gather_single"};
-constexpr OpInfo kScatter{OpType::SCATTER, "scatter", "pg::scatter"};
-constexpr OpInfo kReduceScatter{OpType::REDUCE_SCATTER, "reduce_scatter", "pg::reduce_scatter"};
+    "pg::all_gather_into_tensor_coalesced", "ccl:all_gather_into_tensor_coalesced"};
+constexpr OpInfo kGather{OpType::GATHER, "gather", "pg::gather", "ccl:gather"};
+constexpr OpInfo kGatherSingle{OpType::GATHER, "gather_single", "pg::gather_single", "ccl:gather"};
+constexpr OpInfo kScatter{OpType::SCATTER, "scatter", "pg::scatter", "ccl:scatter"};
+constexpr OpInfo kReduceScatter{OpType::REDUCE_SCATTER, "reduce_scatter", "pg::reduce_scatter", "ccl:reduce_scatter"};
 constexpr OpInfo kReduceScatterBase{
-    OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_single", "pg::reduce_scatter_single"};
+    OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_single", "pg::reduce_scatter_single", "ccl:reduce_scatter_tensor"};
 constexpr OpInfo kReduceScatterTensorCoalesced{
     OpType::REDUCE_SCATTER_TENSOR_COALESCED, "reduce_scatter_tensor_coalesced",
-    "pg::reduce_scatter_tensor_coalesced"};
-constexpr OpInfo kAlltoallBase{OpType::ALLTOALL_BASE, "all_to_all_single", "pg::all_to_all_single"};
-constexpr OpInfo kAlltoall{OpType::ALLTOALL, "alltoall", "pg::alltoall"};
-constexpr OpInfo kSend{OpType::SEND, "send", "pg::send"};
-constexpr OpInfo kRecv{OpType::RECV, "recv", "pg::recv"};
-constexpr OpInfo kBarrier{OpType::BARRIER, "barrier", "pg::barrier"};
-constexpr OpInfo kCoalesced{OpType::COALESCED, "coalesced", "pg::coalesced"};
+    "pg::reduce_scatter_tensor_coalesced", "ccl:reduce_scatter_tensor_coalesced"};
+constexpr OpInfo kAlltoallBase{OpType::ALLTOALL_BASE, "all_to_all_single", "pg::all_to_all_single", "ccl:all_to_all"};
+constexpr OpInfo kAlltoall{OpType::ALLTOALL, "alltoall", "pg::alltoall", "ccl:all_to_all"};
+constexpr OpInfo kSend{OpType::SEND, "send", "pg::send", "ccl:send"};
+constexpr OpInfo kRecv{OpType::RECV, "recv", "pg::recv", "ccl:recv"};
+constexpr OpInfo kRecvAnysource{OpType::RECVANYSOURCE, "recv", "pg::recv", "ccl:recvAnySource"};
+constexpr OpInfo kBarrier{OpType::BARRIER, "barrier", "pg::barrier", "ccl:barrier"};
+constexpr OpInfo kCoalesced{OpType::COALESCED, "coalesced", "pg::coalesced", "ccl:coalesced"};
 
 // oneCCL rejects null buffers even for zero counts; empty tensors may have one.
 void* ptr(const at::Tensor& t) {
@@ -366,6 +371,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
   const char* op = kAllreduce.name;
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) {
+    return allreduce_sparse(tensors[0], opts);
+  }
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
   auto red = resolve_reduction(op, opts.reduceOp, t.scalar_type());
   red->scale_inplace(t);
@@ -375,6 +383,65 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allreduce(
     call.on_success = [red, t, size]() mutable { red->finish(t, size); };
   }
   call.prims.push_back(reduction(K::Allreduce, ptr(t), ptr(t), red, red->count(t)));
+  return run(std::move(call));
+}
+
+// Sparse COO tensors, SUM only, as gloo does them: gather every rank's
+// indices and values, then add them up locally. The receive sizes are only
+// known once every rank's number of non-zeros is, so that is gathered first
+// (and waited for here); the Work returned is the gather of the entries.
+c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allreduce_sparse(
+    at::Tensor& t,
+    const c10d::AllreduceOptions& opts) {
+  const char* op = kAllreduce.name;
+  CCL_CHECK_ARG(
+      t.device().is_cpu(), "ccl ", op, ": tensor is on device '", t.device(),
+      "'; the ccl backend works on CPU tensors (move it with .cpu())");
+  CCL_CHECK_ARG(
+      opts.reduceOp == c10d::ReduceOp::SUM, "ccl ", op, ": sparse tensors reduce with SUM only, got ",
+      reduce_op_name(opts.reduceOp.op_));
+  const auto timeout = pick_timeout(opts.timeout, timeout_);
+  const int size = getSize();
+  const at::Tensor input = t.coalesce();
+  const at::Tensor indices = input._indices().contiguous(); // [sparse dims, nnz]
+  const at::Tensor values = input._values().contiguous();   // [nnz, dense sizes...]
+  const int64_t sparse_dims = input.sparse_dim();
+
+  at::Tensor mine = at::full({1}, input._nnz(), at::kLong);
+  at::Tensor all_nnz = at::empty({size}, at::kLong);
+  Call counts{kSparseCounts, timeout, {mine}, {all_nnz}};
+  Prim count_prim = bytes(K::Allgatherv, ptr(mine), ptr(all_nnz), nbytes(mine));
+  count_prim.recv_counts.assign(size, nbytes(mine));
+  counts.prims.push_back(std::move(count_prim));
+  run(std::move(counts))->wait();
+
+  std::vector<int64_t> nnz(all_nnz.data_ptr<int64_t>(), all_nnz.data_ptr<int64_t>() + size);
+  const int64_t total_nnz = std::accumulate(nnz.begin(), nnz.end(), int64_t{0});
+  std::vector<int64_t> value_shape = values.sizes().vec();
+  value_shape[0] = total_nnz;
+  const size_t value_bytes = values.element_size() * c10::multiply_integers(value_shape.begin() + 1, value_shape.end());
+  at::Tensor all_indices = at::empty({sparse_dims * total_nnz}, at::kLong);
+  at::Tensor all_values = at::empty(value_shape, values.options());
+  Prim idx = bytes(K::Allgatherv, ptr(indices), ptr(all_indices), nbytes(indices));
+  Prim val = bytes(K::Allgatherv, ptr(values), ptr(all_values), nbytes(values));
+  for (int r = 0; r < size; ++r) {
+    idx.recv_counts.push_back(sizeof(int64_t) * sparse_dims * nnz[r]);
+    val.recv_counts.push_back(value_bytes * nnz[r]);
+  }
+  Call call{kAllreduce, timeout, {t}, {t}, {indices, values, all_indices, all_values}};
+  call.on_success = [t, nnz, sparse_dims, all_indices, all_values]() mutable {
+    // Rank r's indices arrive as one [sparse dims, nnz_r] block: side by side.
+    std::vector<at::Tensor> blocks;
+    int64_t offset = 0;
+    for (const int64_t n : nnz) {
+      blocks.push_back(all_indices.narrow(0, offset, sparse_dims * n).view({sparse_dims, n}));
+      offset += sparse_dims * n;
+    }
+    auto sum = at::sparse_coo_tensor(at::cat(blocks, 1), all_values, t.sizes()).coalesce();
+    t.copy_(sum);
+  };
+  call.prims.push_back(std::move(idx));
+  call.prims.push_back(std::move(val));
   return run(std::move(call));
 }
 
@@ -807,11 +874,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::recv(
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::recvAnysource(
     std::vector<at::Tensor>& tensors,
     int tag) {
-  const char* op = kRecv.name;
+  const char* op = kRecvAnysource.name;
   if (comm_->shm()) {
     check_p2p_usable(op);
     at::Tensor t = single(op, tensors, /*dense_ok=*/true);
-    Call call{kRecv, timeout_, {t}, {t}};
+    Call call{kRecvAnysource, timeout_, {t}, {t}};
     call.prims.push_back(bytes(K::Recv, nullptr, ptr(t), nbytes(t), /*peer=*/-1, tag));
     return run(std::move(call));
   }

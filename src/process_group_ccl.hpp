@@ -131,6 +131,8 @@ class ProcessGroupCCL : public c10d::Backend {
   struct Call;
   c10::intrusive_ptr<c10d::Work> run(Call&& call);
 
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(at::Tensor& tensor, const c10d::AllreduceOptions& opts);
+
   std::shared_ptr<Communicator> comm_;
   std::chrono::milliseconds timeout_;
   void check_p2p_usable(const char* op) const;

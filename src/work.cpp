@@ -2,6 +2,7 @@
 
 #include "errors.hpp"
 
+#include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
@@ -32,9 +33,23 @@ uint64_t next_key() {
   return last.fetch_add(1, std::memory_order_relaxed) + 1;
 }
 
-// Profiler rows cost an allocation per op: only pay it while a profiler listens.
+// Profiler rows cost allocations per op: only pay them while a profiler listens.
 bool profiling() {
   return at::hasCallbacks();
+}
+
+// Starts `title` as an async profiler event with the op's inputs (their
+// shapes when the profiler records shapes), the way c10d::Work starts its
+// own; returns what ends it, or nothing when no profiler is active.
+std::function<void()> start_event(const char* title, const std::vector<at::Tensor>& inputs) {
+  auto event = std::make_shared<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+  if (!event->isActive()) {
+    return nullptr;
+  }
+  event->_setAsync();
+  std::vector<c10::IValue> args(inputs.begin(), inputs.end());
+  event->before(title, c10::ArrayRef<const c10::IValue>(args.data(), args.size()));
+  return at::wrapPropagateTLSState([event]() { event->end(); });
 }
 
 // Spin briefly (results often arrive within microseconds), then yield so an
@@ -53,17 +68,27 @@ WorkCCL::WorkCCL(
     const std::vector<at::Tensor>& inputs,
     std::vector<at::Tensor> outputs,
     std::chrono::milliseconds timeout)
+    : WorkCCL(op, std::move(comm), inputs, std::move(outputs), timeout, profiling()) {}
+
+WorkCCL::WorkCCL(
+    const OpInfo& op,
+    std::shared_ptr<Communicator> comm,
+    const std::vector<at::Tensor>& inputs,
+    std::vector<at::Tensor> outputs,
+    std::chrono::milliseconds timeout,
+    bool profiled)
     : c10d::Work(
           comm->rank(),
           op.type,
-          profiling() ? op.title : nullptr,
-          profiling() ? std::optional<std::vector<at::Tensor>>(inputs) : std::nullopt),
+          profiled ? op.title : nullptr,
+          profiled ? std::optional<std::vector<at::Tensor>>(inputs) : std::nullopt),
       op_(op),
       comm_(std::move(comm)),
       outputs_(std::move(outputs)),
       numel_(total_numel(inputs)),
       timeout_(timeout),
       deadline_(Clock::now() + timeout),
+      end_backend_event_(profiled ? start_event(op.backend_title, inputs) : nullptr),
       lane_(Callbacks::get().lane_for_new_work()),
       key_(next_key()) {}
 
@@ -115,9 +140,11 @@ bool WorkCCL::poll_locked(Clock::time_point now) {
     return true;
   }
   if (now > deadline_) {
+    // "Timed out" as gloo says it: code written for gloo matches on it.
     const auto msg = "ccl " + describe() + " did not complete within " +
         std::to_string(timeout_.count()) +
-        " ms: a peer may have died, hung, or called a different collective. "
+        " ms: Timed out waiting for the other ranks; a peer may have died, hung, or called a "
+        "different collective. "
         "The process group can no longer be used; destroy it and create a new one.";
     comm_->mark_broken(msg);
     error_ = backend_error(msg);
@@ -142,6 +169,10 @@ void WorkCCL::complete() {
     // The transport is done with these; an expired oneCCL op keeps them, as it may not be.
     pending.reset();
     buffers.clear();
+  }
+  if (end_backend_event_) {
+    end_backend_event_();
+    end_backend_event_ = nullptr;
   }
   finish(error);
   if (!error) {

@@ -1,6 +1,7 @@
 """Bad input raises a Python error naming the op and the problem; the group
 stays usable. A collective that cannot complete raises at the group timeout."""
 
+import re
 import time
 
 import pytest
@@ -165,6 +166,31 @@ def _collective_times_out(rank, world):
 
 def test_group_timeout_raises_instead_of_hanging():
     assert run_ranks(_collective_times_out, 2, pg_timeout=3) == ["timed out", "slept"]
+
+
+def _barrier_times_out(rank, world):
+    if rank == 1:
+        time.sleep(6)  # never joins the barrier
+        return "slept"
+    start = time.monotonic()
+    try:
+        dist.barrier()
+    except RuntimeError as e:
+        waited = time.monotonic() - start
+        # The words PyTorch's own barrier-timeout test accepts from gloo.
+        assert re.search(" (Timed out|closed|timeout) ", str(e)), str(e)
+        assert 1.5 < waited < 4.5, waited
+        return "timed out"
+    raise AssertionError("barrier returned without its peer")
+
+
+# oneCCL's own barrier blocks until every rank arrives; ours must give up at
+# the group's timeout on both transports, as gloo's does.
+@pytest.mark.parametrize("setup", [("gloo", {}), ("ccl", {"ONECCL_BIND_PT_SHM": "1"}), ("ccl", {"ONECCL_BIND_PT_SHM": "0"})],
+                         ids=["gloo", "ccl-shm", "ccl-oneccl"])
+def test_barrier_times_out_like_gloo(setup):
+    backend, env = setup
+    assert run_ranks(_barrier_times_out, 2, pg_timeout=2, env=env, backend=backend) == ["timed out", "slept"]
 
 
 def _dense_layouts(rank, world):

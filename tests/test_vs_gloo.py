@@ -214,6 +214,45 @@ def barrier_and_work_result(group, rank, world):
     return {"result": work.result(), "success": work.is_success(), "completed": work.is_completed()}
 
 
+@scenario
+def sparse_all_reduce(group, rank, world):
+    # Sums of sparse COO tensors with overlapping and disjoint entries; rank 0 has none.
+    n = rank * 2
+    indices = torch.tensor([[i % 5 for i in range(n)], [(i + rank) % 3 for i in range(n)]], dtype=torch.long)
+    t = torch.sparse_coo_tensor(indices.reshape(2, n), torch.arange(float(n)) + rank, (5, 3))
+    work = dist.all_reduce(t, group=group, async_op=True)
+    work.wait()
+    vector = torch.sparse_coo_tensor(torch.tensor([[rank, world]]), torch.tensor([[1.0, 2.0]] * 2) * (rank + 1), (world + 1, 2))
+    dist.all_reduce(vector, group=group)
+    return {"matrix": t.to_dense(), "is_sparse": t.is_sparse, "vector": vector.to_dense()}
+
+
+@scenario
+def profiler_rows(group, rank, world):
+    # The rows named "<backend>:<collective>" that PyTorch's tests and tools look
+    # for: the same names, counts, async flags and input shapes as gloo's.
+    backend = dist.get_backend(group)
+    t = _full((4,), rank + 1.0)
+    with torch.autograd.profiler.profile(record_shapes=True) as prof:
+        dist.all_reduce(t, group=group)
+        dist.broadcast(t, 0, group=group, async_op=True).wait()
+        dist.reduce(t, world - 1, group=group)
+        dist.all_gather([torch.empty(4) for _ in range(world)], t, group=group)
+        dist.gather(t, [torch.empty(4) for _ in range(world)] if rank == 0 else None, 0, group=group)
+        dist.scatter(t, [torch.ones(4)] * world if rank == 0 else None, 0, group=group)
+        if rank == 0:
+            dist.send(t, 1, group=group)
+        elif rank == 1:
+            dist.recv(t, 0, group=group)
+    rows = {}
+    for e in prof.function_events:
+        if e.name.startswith(backend + ":"):
+            op = "<backend>" + e.name[len(backend):]
+            rows.setdefault(op, []).append((e.is_async, e.count, str(e.input_shapes)))
+    assert len(rows) >= 6, f"{backend}: too few profiler rows to compare: {sorted(rows)}"
+    return {op: sorted(r) for op, r in rows.items()}
+
+
 def _equal(a, b, where=""):
     """Exact equality of nested results; returns a list of differences."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):

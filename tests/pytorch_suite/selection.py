@@ -1,0 +1,128 @@
+"""Which cases run where: the plans tests/test_pytorch_suite.py and `python -m pytorch_suite check` run.
+
+91 of the suite's 285 cases spawn ranks on CPU, the same 91 at world size 2
+and 3 (the "_group" variants need 8 ranks; the rest need GPUs); a case skipped
+before spawning costs nothing. A spawning case costs 5-25 s on the 2-core CI
+machine kind, almost all of it each rank importing torch, so a plan's cost is
+about its number of cases. The whole suite is 15-20 min per backend and world
+size there: too much for every CI run, hence:
+
+- ci-ws2 and ci-ws3, run by default (see SELECTION_MEASURED for their time);
+- full-ws2 and full-ws3, the whole suite, with --runslow (and by hand);
+- smoke, a minute or so: the plan a second torch release's environment runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    world_size: int
+    cases: tuple[str, ...] | None  # None: every case of the suite
+    quick: bool = False  # run by default; the others are marked slow (--runslow)
+    timeout: float = 3 * 3600  # for each backend's run as a whole
+    # Seconds before a hung case is killed (PyTorch's own per-case overrides
+    # still apply). Every case gloo passes takes well under a minute.
+    case_timeout: int = 240
+
+
+# World size 2. Each collective once per thing that changes the code path
+# (reduce op kinds, complex, async, a group object, the coalesced and list
+# forms, argument checks), every p2p form (tags, any source, batched, the
+# profiler rows of each), object collectives, DDP with and without a comm
+# hook, futures, the barrier's timeout. Left to the full plans: the other
+# reduce ops of the same op (sum/max/min/product share one path), the
+# "_full_group" twins of cases kept here, and the listed gloo-only cases.
+CI_WS2 = (
+    "test_all_reduce_sum",
+    "test_all_reduce_max",
+    "test_all_reduce_product",
+    "test_all_reduce_sum_async",
+    "test_all_reduce_sum_complex",
+    "test_all_reduce_complex_unsupported_ops",
+    "test_all_reduce_full_group_sum",
+    "test_all_reduce_coalesced_sum",
+    "test_all_reduce_coalesced_max_complex_unsupported",
+    "test_reduce_sum",
+    "test_reduce_sum_twice",
+    "test_reduce_full_group_min",
+    "test_broadcast",
+    "test_broadcast_full_group",
+    "test_all_gather",
+    "test_all_gather_complex",
+    "test_all_gather_coalesced_simple",
+    "test_all_gather_coalesced_with_empty",
+    "test_gather",
+    "test_gather_checks",
+    "test_scatter",
+    "test_scatter_checks",
+    "test_scatter_complex",
+    "test_barrier",
+    "test_barrier_timeout_global",
+    "test_barrier_timeout_full_group",
+    "test_send_recv",
+    "test_send_recv_with_tag_autograd_profiler",
+    "test_send_recv_torch_profiler",
+    "test_send_recv_any_source_autograd_profiler",
+    "test_isend_autograd_profiler",
+    "test_irecv",
+    "test_batch_isend_irecv_gloo",
+    "test_batch_isend_irecv_gloo_tags",
+    "test_all_gather_object_default_pg",
+    "test_all_gather_object_subgroup",
+    "test_scatter_object_list",
+    "test_DistributedDataParallelCPU",
+    "test_accumulate_gradients_no_sync_allreduce_with_then_hook",
+    "test_static_graph_api_cpu",
+    "test_get_future",
+    "test_destroy_group",
+    "test_get_backend",
+)
+
+# World size 3: what a third rank changes. Roots other than 0 and uneven
+# shares, rank 0 against two peers in p2p (any source picks among two),
+# groups that leave a rank out, the barrier timing out with two absent peers.
+CI_WS3 = (
+    "test_all_reduce_sum",
+    "test_all_reduce_coalesced_sum",
+    "test_broadcast",
+    "test_reduce_sum",
+    "test_all_gather",
+    "test_all_gather_coalesced_simple",
+    "test_gather",
+    "test_scatter",
+    "test_barrier_timeout_global",
+    "test_send_recv",
+    "test_send_recv_any_source",
+    "test_isend",
+    "test_batch_isend_irecv_gloo",
+    "test_get_rank_size_group",
+    "test_all_gather_object_subgroup",
+    "test_DistributedDataParallelCPU",
+)
+
+# One case per area, world size 2, about a minute: for an environment built
+# against another torch release, where the loader, the preskips and this list
+# meet a different distributed_test.py.
+SMOKE = (
+    "test_all_reduce_sum",
+    "test_all_gather_coalesced_simple",
+    "test_barrier_timeout_global",
+    "test_send_recv_with_tag_autograd_profiler",
+    "test_batch_isend_irecv_gloo",
+    "test_DistributedDataParallelCPU",
+)
+
+PLANS = {
+    plan.name: plan
+    for plan in (
+        Plan("smoke", 2, SMOKE, timeout=20 * 60, case_timeout=120),
+        Plan("ci-ws2", 2, CI_WS2, quick=True, timeout=45 * 60, case_timeout=120),
+        Plan("ci-ws3", 3, CI_WS3, quick=True, timeout=30 * 60, case_timeout=120),
+        Plan("full-ws2", 2, None),
+        Plan("full-ws3", 3, None),
+    )
+}

@@ -33,10 +33,11 @@ def choose_release():
     if row is None or release_tuple(torch.__version__) < release_tuple(row["torch"]):
         supported = ", ".join(f"{r['torch_requirement']} -> oneccl_bind_pt {r['version']}"
                               for r in TABLE["RELEASES"].values())
+        suggest = (row or TABLE["RELEASES"][TABLE["DEFAULT"]])["torch"]
         sys.exit(
             f"oneccl_bind_pt: torch {torch.__version__} is installed, which no release here builds against.\n"
             f"Supported: {supported}.\n"
-            f"Install one of them first, e.g.: pip install torch=={TABLE['RELEASES'][TABLE['DEFAULT']]['torch']} "
+            f"Install one of them first, e.g.: pip install torch=={suggest} "
             "(or ./scripts/setup.sh --torch <version>), then build with --no-build-isolation."
         )
     return row, torch.__version__

@@ -152,18 +152,32 @@ def test_build_names_a_missing_oneccl_and_how_to_get_it(tmp_path):
         assert needle in proc.stderr, proc.stderr
 
 
+def _setup_py_with_torch(version, tmp_path):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+
+
 def test_build_refuses_a_torch_no_release_pairs_with(tmp_path):
     """setup.py names the supported releases and the pip command before compiling anything."""
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text('__version__ = "2.12.1+cpu"\n')
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    proc = _setup_py_with_torch("2.12.1+cpu", tmp_path)
     assert proc.returncode != 0
     default = oneccl_bind_pt._version.RELEASES[oneccl_bind_pt._version.DEFAULT]
     for needle in ["torch 2.12.1+cpu is installed", f"pip install torch=={default['torch']}",
                    *(f"{r['torch_requirement']} -> oneccl_bind_pt {r['version']}" for r in OTHER_ROWS + [ROW])]:
         assert needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("row", [r for r in OTHER_ROWS + [ROW] if not r["torch"].endswith(".0")],
+                         ids=lambda r: r["torch"])
+def test_build_refuses_an_older_patch_than_its_release_and_names_that_release(row, tmp_path):
+    """Its wheel would require torch>=X.Y.Z: the torch it was built with would not satisfy it."""
+    major, minor, patch = row["torch"].split(".")
+    proc = _setup_py_with_torch(f"{major}.{minor}.{int(patch) - 1}", tmp_path)
+    assert proc.returncode != 0
+    assert f"pip install torch=={row['torch']}" in proc.stderr, proc.stderr
 
 
 def test_doctor_selftest_passes_and_flags_problems(tmp_path):

@@ -45,7 +45,7 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 # torch is pinned: an unpinned torch would pull the CUDA build.
 if grep -q '^# lift-pip-constraint:' "$reqs"; then
     # This release's torch is above the torch cap this project's build machines set in pip's
-    # global configuration (/etc/xdg/pip/constraints.txt): PIP_CONSTRAINT=/dev/null lifts it,
+    # global configuration (a constraints file): PIP_CONSTRAINT=/dev/null lifts it,
     # for this one pip command only (meta/releases.yaml: lift_pip_constraint).
     PIP_CONSTRAINT=/dev/null "${pip[@]}" -r "$reqs"
 else

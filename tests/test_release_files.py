@@ -131,9 +131,10 @@ def test_every_release_has_its_files():
                     f"tcmlib=={rel['tcmlib']}", "pytest==9.2.0"):
             assert pin in reqs, (torch, pin)
         assert any(line.startswith("numpy==") for line in reqs), torch  # object collectives need it
-        # Transformers and the conda tools only where the tests that need them run: the default.
-        heavy = {line.split("==")[0] for line in reqs} & {"transformers", "accelerate", "py-rattler-build"}
-        assert heavy == ({"transformers", "accelerate", "py-rattler-build"} if torch == DEFAULT else set())
+        # Transformers, DeepSpeed and the conda tools only where the tests that need them run: the default.
+        only_default = {"transformers", "accelerate", "deepspeed", "py-rattler-build"}
+        heavy = {line.split("==")[0] for line in reqs} & only_default
+        assert heavy == (only_default if torch == DEFAULT else set())
         assert ("PIP_CONSTRAINT" in releases.pip_env(torch, {})) == bool(rel.get("lift_pip_constraint")), torch
         assert releases.venv(torch) == ROOT / (".venv" if torch == DEFAULT else f".venv-torch{torch}")
     assert (ROOT / "requirements.txt").read_text().splitlines()[-1] == f"-r requirements/torch-{DEFAULT}.txt"

@@ -6,21 +6,41 @@ oneCCL is looked up under $CCL_ROOT, else under this Python's prefix (where the
 
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
+# The release table (generated from meta/releases.yaml): one row per supported torch minor.
+TABLE = runpy.run_path(str(HERE / "oneccl_bind_pt" / "_version.py"))
 
 
-def read_version_info():
-    text = (HERE / "oneccl_bind_pt" / "_version.py").read_text()
-    return dict(re.findall(r'^(\w+) = "([^"]+)"', text, re.M))
+def release_tuple(version):
+    """'2.14.1+cu130' -> (2, 14, 1); '2.15.0a0+git1' -> (2, 15, 0)."""
+    return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
-VERSION_INFO = read_version_info()
+def choose_release():
+    """The row of the release table for the installed torch (same major.minor, same or later
+    patch) and that torch's version; stops with the supported releases when there is none."""
+    import torch
+
+    row = TABLE["release_for"](torch.__version__)
+    if row is None or release_tuple(torch.__version__) < release_tuple(row["torch"]):
+        supported = ", ".join(f"{r['torch_requirement']} -> oneccl_bind_pt {r['version']}"
+                              for r in TABLE["RELEASES"].values())
+        suggest = (row or TABLE["RELEASES"][TABLE["DEFAULT"]])["torch"]
+        sys.exit(
+            f"oneccl_bind_pt: torch {torch.__version__} is installed, which no release here builds against.\n"
+            f"Supported: {supported}.\n"
+            f"Install one of them first, e.g.: pip install torch=={suggest} "
+            "(or ./scripts/setup.sh --torch <version>), then build with --no-build-isolation."
+        )
+    return row, torch.__version__
 
 
 def find_oneccl():
@@ -36,39 +56,34 @@ def find_oneccl():
             "oneccl_bind_pt: oneCCL not found under "
             f"{root} ({'CCL_ROOT' if os.environ.get('CCL_ROOT') else 'the Python prefix'}); "
             f"missing: {', '.join(missing)}.\n"
-            f"Install it with: pip install oneccl-devel=={VERSION_INFO['ONECCL_VERSION']} "
+            f"Install it with: pip install oneccl-devel=={RELEASE['oneccl']} "
             "(or set CCL_ROOT to a oneCCL install that has lib/ccl/cpu/lib/libccl.a)."
         )
     return root
 
 
-def check_torch():
-    import torch
+RELEASE, TORCH_VERSION = choose_release()
+CCL_ROOT = find_oneccl()
 
-    built = torch.__version__.split("+")[0]
-    if built != VERSION_INFO["TORCH_VERSION"]:
-        sys.exit(
-            f"oneccl_bind_pt {VERSION_INFO['__version__']} builds against torch=="
-            f"{VERSION_INFO['TORCH_VERSION']}, but torch {torch.__version__} is installed.\n"
-            f"Install it with: pip install torch=={VERSION_INFO['TORCH_VERSION']}"
+
+class BuildPy(build_py):
+    """Writes _build_info.py into the build, never into the source tree: builds for
+    different torch releases from one tree cannot overwrite each other's."""
+
+    def run(self):
+        super().run()
+        (Path(self.build_lib) / "oneccl_bind_pt" / "_build_info.py").write_text(
+            "# Written by setup.py at build time.\n"
+            f'RELEASE = "{RELEASE["torch"].rsplit(".", 1)[0]}"  # the row of _version.RELEASES built\n'
+            f'TORCH_BUILT_WITH = "{TORCH_VERSION}"\n'
+            f'ONECCL_ROOT_AT_BUILD = "{CCL_ROOT}"\n'
         )
-    return torch.__version__
-
-
-def write_build_info(torch_version, ccl_root):
-    (HERE / "oneccl_bind_pt" / "_build_info.py").write_text(
-        "# Written by setup.py at build time.\n"
-        f'TORCH_BUILT_WITH = "{torch_version}"\n'
-        f'ONECCL_ROOT_AT_BUILD = "{ccl_root}"\n'
-    )
 
 
 def make_extension():
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-    root = find_oneccl()
-    torch_version = check_torch()
-    write_build_info(torch_version, root)
+    root = CCL_ROOT
     lib = root / "lib"
 
     class Build(BuildExtension):
@@ -104,27 +119,21 @@ def make_extension():
         # A oneCCL outside this prefix is found where it was at build time.
         + ([] if root == Path(sys.prefix) else [f"-Wl,-rpath,{lib}"]),
     )
-    return [ext], {"build_ext": Build}
+    return [ext], {"build_ext": Build, "build_py": BuildPy}
 
 
 ext_modules, cmdclass = make_extension()
 
 # A conda build gets torch, hwloc and Intel MPI from conda packages (recipe/), so
-# its metadata names only torch, with the same minor pin as the conda package.
-if os.environ.get("CONDA_BUILD"):
-    _torch_minor = ".".join(VERSION_INFO["TORCH_VERSION"].split(".")[:2])
-    install_requires = [f"torch>={VERSION_INFO['TORCH_VERSION']},=={_torch_minor}.*"]
-else:
-    # Run time needs torch, hwloc (tcmlib) and libfabric + mpirun (impi-rt);
-    # oneCCL itself is linked in statically.
-    install_requires = [
-        f"torch=={VERSION_INFO['TORCH_VERSION']}",
-        f"impi-rt=={VERSION_INFO['IMPI_RT_VERSION']}",
-        f"tcmlib=={VERSION_INFO['TCMLIB_VERSION']}",
-    ]
+# its metadata names only torch. Run time needs torch (any patch of the minor it was
+# built with, as the conda package's pin_compatible and the import check), hwloc (tcmlib)
+# and libfabric + mpirun (impi-rt); oneCCL itself is linked in statically.
+install_requires = [RELEASE["torch_requirement"]]
+if not os.environ.get("CONDA_BUILD"):
+    install_requires += [f"impi-rt=={RELEASE['impi_rt']}", f"tcmlib=={RELEASE['tcmlib']}"]
 
 setup(
-    version=VERSION_INFO["__version__"],
+    version=RELEASE["version"],
     packages=["oneccl_bind_pt", "oneccl_bind_pt.env", "oneccl_bind_pt.env.conda",
               "oneccl_bindings_for_pytorch", "torch_ccl"],
     # env/ (setvars.sh, conda activation) ships inside the package: <cwd>/env/setvars.sh.
@@ -133,4 +142,7 @@ setup(
     install_requires=install_requires,
     ext_modules=ext_modules,
     cmdclass=cmdclass,
+    # Objects, the linked extension and the wheel's staging tree per torch version: a build
+    # never reuses (or skips as up to date) what was built against another torch.
+    options={"build": {"build_base": f"build/torch-{TORCH_VERSION}"}},
 )

@@ -7,16 +7,29 @@ registers the ``ccl`` backend: ``torch.distributed.init_process_group("ccl")``.
 import atexit
 import os
 
-from ._version import __version__
+from ._version import RELEASES as _RELEASES
 from ._version import TORCH_VERSION as _TORCH_VERSION
+from ._version import __version__, release_for
 
 # The installed package folder; env/setvars.sh lives under it.
 cwd = os.path.dirname(os.path.abspath(__file__))
 
 
+def supported_releases():
+    """Every release of this package, oldest first: its version, the torch it is built
+    with, the torch versions it accepts (pip requirement) and its oneCCL / Intel MPI
+    runtime / tcmlib (hwloc) pins."""
+    return [dict(row) for row in _RELEASES.values()]
+
+
 def _same_minor(a, b):
     """torch keeps its C++ ABI within a minor release (the conda package pins x.y)."""
     return a.split("+")[0].split(".")[:2] == b.split("+")[0].split(".")[:2]
+
+
+def _public(version):
+    """'2.14.1+cpu' -> '2.14.1': what `pip install oneccl_bind_pt==...` takes."""
+    return version.split("+")[0]
 
 
 def _check_torch():
@@ -26,13 +39,23 @@ def _check_torch():
         from ._build_info import TORCH_BUILT_WITH
     except ImportError:  # a source tree nobody built
         TORCH_BUILT_WITH = _TORCH_VERSION
-    if not _same_minor(torch.__version__, TORCH_BUILT_WITH):
-        raise ImportError(
-            f"oneccl_bind_pt {__version__} was built against torch {TORCH_BUILT_WITH}, "
-            f"but torch {torch.__version__} is installed. Install the matching torch "
-            f"(pip install torch=={TORCH_BUILT_WITH.split('+')[0]}) or rebuild oneccl_bind_pt "
-            "against this one."
-        )
+    if _same_minor(torch.__version__, TORCH_BUILT_WITH):
+        return
+    keep = f"pip install torch=={_public(TORCH_BUILT_WITH)}"
+    match = release_for(torch.__version__)
+    if match is not None:
+        fix = (f"For torch {torch.__version__} install oneccl_bind_pt {match['version']} "
+               f"(pip install oneccl_bind_pt=={_public(match['version'])}), or keep this build with its torch "
+               f"({keep}), or rebuild oneccl_bind_pt against this torch (pip install --no-build-isolation .).")
+    else:
+        pairs = ", ".join(f"torch {r['torch'].rsplit('.', 1)[0]} -> oneccl_bind_pt {_public(r['version'])}"
+                          for r in _RELEASES.values())
+        fix = (f"No oneccl_bind_pt release supports torch {torch.__version__} (releases: {pairs}). "
+               f"Install the matching torch ({keep}) or a supported torch with its oneccl_bind_pt.")
+    raise ImportError(
+        f"oneccl_bind_pt {__version__} was built against torch {TORCH_BUILT_WITH}, "
+        f"but torch {torch.__version__} is installed. {fix}"
+    )
 
 
 _check_torch()
@@ -79,4 +102,5 @@ from . import _integrations  # noqa: E402
 
 _integrations.install()
 
-__all__ = ["ArgumentError", "ArgumentTypeError", "ProcessGroupCCL", "__version__", "cwd", "launcher"]
+__all__ = ["ArgumentError", "ArgumentTypeError", "ProcessGroupCCL", "__version__", "cwd", "launcher",
+           "release_for", "supported_releases"]

@@ -1,7 +1,50 @@
 # Generated from meta/releases.yaml by scripts/gen_release_files.py: do not edit.
-# The torch release this build pairs with, and the CPU flavour.
-__version__ = "2.13.0+cpu"
-TORCH_VERSION = "2.13.0"
-ONECCL_VERSION = "2022.1.2"
-IMPI_RT_VERSION = "2021.18.1"
-TCMLIB_VERSION = "1.6.0"
+"""The supported releases: one oneccl_bind_pt release per PyTorch minor, keyed by it.
+
+setup.py builds the row of the installed torch (its version, the pins its wheel declares)
+and records the row it chose in _build_info.py, which it writes into the build.
+"""
+
+RELEASES = {
+    "2.13": {
+        "version": "2.13.0+cpu",
+        "torch": "2.13.0",
+        "torch_requirement": "torch>=2.13.0,<2.14",
+        "oneccl": "2022.1.2",
+        "impi_rt": "2021.18.1",
+        "tcmlib": "1.6.0",
+    },
+    "2.14": {
+        "version": "2.14.1+cpu",
+        "torch": "2.14.1",
+        "torch_requirement": "torch>=2.14.1,<2.15",
+        "oneccl": "2022.1.2",
+        "impi_rt": "2021.18.1",
+        "tcmlib": "1.6.0",
+    },
+    "2.15": {
+        "version": "2.15.0+cpu",
+        "torch": "2.15.0",
+        "torch_requirement": "torch>=2.15.0,<2.16",
+        "oneccl": "2022.1.2",
+        "impi_rt": "2021.18.1",
+        "tcmlib": "1.6.0",
+    },
+}
+DEFAULT = "2.13"
+
+
+def release_for(torch_version):
+    """The row for a torch of the same major.minor (any patch or local tag), else None."""
+    return RELEASES.get(".".join(torch_version.split("+")[0].split(".")[:2]))
+
+
+try:  # the row this build was made for
+    from ._build_info import RELEASE as _BUILT
+except ImportError:  # a tree nobody built, or setup.py reading this file on its own
+    _BUILT = DEFAULT
+__version__ = RELEASES[_BUILT]["version"]
+TORCH_VERSION = RELEASES[_BUILT]["torch"]
+ONECCL_VERSION = RELEASES[_BUILT]["oneccl"]
+IMPI_RT_VERSION = RELEASES[_BUILT]["impi_rt"]
+TCMLIB_VERSION = RELEASES[_BUILT]["tcmlib"]

@@ -139,6 +139,10 @@ def main(argv=None) -> int:
     print(f"python           {sys.version.split()[0]}  ({sys.executable})")
     print(f"torch            {torch.__version__}  (built against {TORCH_BUILT_WITH}: "
           f"{'match' if oneccl_bind_pt._same_minor(torch.__version__, TORCH_BUILT_WITH) else 'MISMATCH'})")
+    # One oneccl_bind_pt release per torch minor: which one a user of another torch needs.
+    print("releases         " + ", ".join(
+        f"torch {r['torch'].rsplit('.', 1)[0]}.x -> oneccl_bind_pt=={oneccl_bind_pt._public(r['version'])}"
+        for r in oneccl_bind_pt.supported_releases()))
     print(f"oneCCL           built with {_C.ccl_build_version}, running {_C.ccl_runtime_version()}")
     hwloc, fabric = _loaded_library("libhwloc"), _libfabric()
     on_path, ours = _mpirun()

@@ -9,8 +9,8 @@
    wheels, and gxx_linux-64 / sysroot_linux-64 wrapping the system compiler. Cached
    under --cache, keyed by everything that goes into it.
 2. recipe/recipe.yaml built unchanged with py-rattler-build against only that
-   channel (variants: recipe/conda_build_config.yaml, with the toolchain versions
-   replaced by what the stand-ins wrap); the recipe's own tests run.
+   channel (variants: the default release's from recipe/conda_build_config.yaml, with
+   the toolchain versions replaced by what the stand-ins wrap); the recipe's own tests run.
 3. A fresh environment from environments/torch-<v>/environment.yml (its channels
    mapped to the local ones), created with py-rattler.
 4. Inside it, with its activation applied: the three import names, setvars.sh,
@@ -382,13 +382,23 @@ def build_channel(cache, rel):
 
 # ---------------------------------------------------------------- the real package
 
-def build_package(work, channel, tc):
+def release_variants(path, torch):
+    """The variant file narrowed to one release: its entry in each zipped list."""
+    doc = yaml.safe_load(path.read_text())
+    zipped = [k for group in doc.get("zip_keys", []) for k in group]
+    i = [str(v) for v in doc["pytorch"]].index(torch)
+    return {k: ([v[i]] if k in zipped else v) for k, v in doc.items() if k != "zip_keys"}, doc.get("zip_keys")
+
+
+def build_package(work, channel, tc, rel):
     from rattler_build import VariantConfig
 
     out = work / "out"
-    # The recipe's variants, with the toolchain the stand-ins really wrap.
-    variants = VariantConfig.from_file(str(ROOT / "recipe" / "conda_build_config.yaml")).merge(VariantConfig({
-        "cxx_compiler_version": [tc["gxx_version"]], "c_stdlib_version": [tc["glibc"]]}))
+    # The recipe's variants for this release (the stand-in channel has only its torch), with
+    # the toolchain the stand-ins really wrap.
+    chosen, zip_keys = release_variants(ROOT / "recipe" / "conda_build_config.yaml", rel["torch"])
+    chosen.update(cxx_compiler_version=[tc["gxx_version"]], c_stdlib_version=[tc["glibc"]])
+    variants = VariantConfig(chosen, zip_keys=zip_keys)
     t = time.time()
     pkgs, lines = rattler_build(ROOT / "recipe" / "recipe.yaml", out, [channel], variants, test=True)
     took = time.time() - t
@@ -499,7 +509,7 @@ def main():
     report["standin_sizes_mib"] = standin_sizes
 
     log("building recipe/recipe.yaml (its tests run in a fresh test environment)")
-    pkgs, out, took = build_package(work, channel, tc)
+    pkgs, out, took = build_package(work, channel, tc, rel)
     pkg = next(p for p in pkgs if p.name.startswith("oneccl_bind_pt-"))
     report.update(package=pkg.name, package_mib=round(mib(pkg), 2), build_and_test_s=round(took, 1))
     log(f"built {pkg.name}: {mib(pkg):.2f} MiB in {took:.0f} s (build + recipe tests)")
@@ -511,6 +521,7 @@ def main():
     recs, took = create_env(prefix, env_file, channel_map, args.cache)
     report["env_create_s"] = round(took, 1)
     report["env_packages"] = {f"{r.name.normalized}": f"{r.version} {r.build}" for r in recs}
+    report["package_depends"] = next(r.depends for r in recs if r.name.normalized == "oneccl_bind_pt")
     report["env_mib"] = round(dir_mib(prefix), 1)
     log(f"environment from {env_file.relative_to(ROOT)}: {len(recs)} packages, "
         f"{report['env_mib']:.0f} MiB installed, {took:.1f} s")

@@ -4,9 +4,11 @@
     python scripts/gen_release_files.py           # rewrite them
     python scripts/gen_release_files.py --check   # exit 1 and list the stale ones
 
-Outputs: recipe/conda_build_config.yaml, environments/torch-<v>/environment.yml,
-oneccl_bind_pt/_version.py, and the torch / oneccl-devel pins in pyproject.toml and
-requirements.txt. This checkout builds the newest release in the matrix.
+Outputs: recipe/conda_build_config.yaml (one variant per release),
+environments/torch-<v>/environment.yml and requirements/torch-<v>.txt per release,
+oneccl_bind_pt/_version.py (the release table setup.py builds from), requirements.txt
+(the default release's set), the torch / oneccl-devel pins in pyproject.toml (the
+default release's), and README.md's compatibility table when README.md has the markers.
 """
 
 import argparse
@@ -18,14 +20,30 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = "# Generated from meta/releases.yaml by scripts/gen_release_files.py: do not edit.\n"
+# README.md's compatibility table sits between these lines (the generator leaves a README
+# without them alone).
+TABLE_BEGIN = "<!-- releases table: generated from meta/releases.yaml by scripts/gen_release_files.py -->"
+TABLE_END = "<!-- end of releases table -->"
+# A requirement set whose first lines carry this is installed with pip's global constraint
+# lifted (scripts/setup.sh, scripts/check_wheel.py).
+LIFT_MARKER = "# lift-pip-constraint:"
 
 
 def load(path=ROOT / "meta" / "releases.yaml"):
+    """The matrix and its default release."""
     meta = yaml.safe_load(path.read_text())
     releases = meta["releases"]
     if not releases:
         sys.exit("meta/releases.yaml lists no release")
-    return meta, releases[-1]
+    default = next((r for r in releases if r["torch"] == meta["default"]), None)
+    if default is None:
+        sys.exit(f"meta/releases.yaml: default {meta['default']} is not one of its releases")
+    return meta, default
+
+
+def minor(version):
+    """'2.14.1' -> '2.14'."""
+    return ".".join(version.split(".")[:2])
 
 
 def package_version(rel):
@@ -33,16 +51,27 @@ def package_version(rel):
     return f"{rel['torch']}+{rel['flavour']}"
 
 
+def torch_requirement(rel):
+    """What a wheel built against this release accepts: any later patch of the same minor
+    (torch keeps its C++ ABI within a minor), as the conda package's
+    pin_compatible(upper_bound='x.x') and the import check do."""
+    major, mnr = map(int, rel["torch"].split(".")[:2])
+    return f"torch>={rel['torch']},<{major}.{mnr + 1}"
+
+
 def variants(meta):
     rels = meta["releases"]
-    pythons = sorted({p for r in rels for p in r["python"]}, key=lambda v: tuple(map(int, v.split("."))))
+    pythons = {tuple(r["python"]) for r in rels}
+    if len(pythons) > 1:
+        # python is crossed with the zipped releases: every release must take every python.
+        sys.exit("meta/releases.yaml: releases list different pythons; the variants would cross them")
     tc = meta["toolchain"]
     doc = {
         "cxx_compiler": [tc["cxx_compiler"]],
         "cxx_compiler_version": [tc["cxx_compiler_version"]],
         "c_stdlib": [tc["c_stdlib"]],
         "c_stdlib_version": [tc["c_stdlib_version"]],
-        "python": pythons,
+        "python": list(rels[0]["python"]),
         # One entry per release, zipped: each PyTorch release with its own pins.
         "pytorch": [r["torch"] for r in rels],
         "oneccl_devel": [r["oneccl"] for r in rels],
@@ -71,16 +100,64 @@ def environment(meta, rel):
     return HEADER + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
 
 
-def version_py(rel):
-    return (
-        HEADER
-        + "# The torch release this build pairs with, and the CPU flavour.\n"
-        + f'__version__ = "{package_version(rel)}"\n'
-        + f'TORCH_VERSION = "{rel["torch"]}"\n'
-        + f'ONECCL_VERSION = "{rel["oneccl"]}"\n'
-        + f'IMPI_RT_VERSION = "{rel["impi_rt"]}"\n'
-        + f'TCMLIB_VERSION = "{rel["tcmlib"]}"\n'
-    )
+VERSION_PY = '''"""The supported releases: one oneccl_bind_pt release per PyTorch minor, keyed by it.
+
+setup.py builds the row of the installed torch (its version, the pins its wheel declares)
+and records the row it chose in _build_info.py, which it writes into the build.
+"""
+
+RELEASES = {
+%(rows)s}
+DEFAULT = "%(default)s"
+
+
+def release_for(torch_version):
+    """The row for a torch of the same major.minor (any patch or local tag), else None."""
+    return RELEASES.get(".".join(torch_version.split("+")[0].split(".")[:2]))
+
+
+try:  # the row this build was made for
+    from ._build_info import RELEASE as _BUILT
+except ImportError:  # a tree nobody built, or setup.py reading this file on its own
+    _BUILT = DEFAULT
+__version__ = RELEASES[_BUILT]["version"]
+TORCH_VERSION = RELEASES[_BUILT]["torch"]
+ONECCL_VERSION = RELEASES[_BUILT]["oneccl"]
+IMPI_RT_VERSION = RELEASES[_BUILT]["impi_rt"]
+TCMLIB_VERSION = RELEASES[_BUILT]["tcmlib"]
+'''
+
+
+def version_py(meta, default):
+    def row(r):
+        fields = {"version": package_version(r), "torch": r["torch"], "torch_requirement": torch_requirement(r),
+                  "oneccl": r["oneccl"], "impi_rt": r["impi_rt"], "tcmlib": r["tcmlib"]}
+        return f'    "{minor(r["torch"])}": {{\n' + "".join(f'        "{k}": "{v}",\n' for k, v in fields.items()) + "    },\n"
+
+    return HEADER + VERSION_PY % {"rows": "".join(row(r) for r in meta["releases"]),
+                                  "default": minor(default["torch"])}
+
+
+def requirements(meta, rel):
+    lines = [HEADER.rstrip(),
+             f"# The pinned stack oneccl_bind_pt {package_version(rel)} builds and is tested with "
+             f"(scripts/setup.sh --torch {rel['torch']})."]
+    if rel.get("lift_pip_constraint"):
+        lines.append(f"{LIFT_MARKER} torch {rel['torch']} is above the cap in this project's build machines' "
+                     "pip configuration; scripts/setup.sh installs this set with PIP_CONSTRAINT=/dev/null")
+    # torch is pinned: an unpinned torch pulls the CUDA build.
+    lines += [f"torch=={rel['torch']}", f"oneccl-devel=={rel['oneccl']}",
+              f"impi-rt=={rel['impi_rt']}", f"tcmlib=={rel['tcmlib']}"]
+    for group in rel["pip"]:
+        lines.append(f"# {group}: {meta['pip'][group]['about']}")
+        lines += meta["pip"][group]["pins"]
+    return "\n".join(lines) + "\n"
+
+
+def default_requirements(default):
+    return (HEADER + "# The default release's set (scripts/setup.sh without --torch, CI); "
+            "the others: requirements/torch-<version>.txt.\n"
+            f"-r requirements/torch-{default['torch']}.txt\n")
 
 
 def repin(text, name, version):
@@ -97,36 +174,71 @@ def pinned(path, rel):
     return repin(text, "oneccl-devel", rel["oneccl"])
 
 
-def outputs():
-    meta, rel = load()
+def release_table(meta):
+    """README.md's compatibility table: every release and how it was checked."""
+    rows = ["| oneccl_bind_pt | torch | oneCCL | Intel MPI runtime | hwloc | Python | how it was checked |",
+            "|---|---|---|---|---|---|---|"]
+    for r in meta["releases"]:
+        rows.append(
+            f"| {package_version(r)} (pip), {r['torch']} `{r['flavour']}_*` (conda) "
+            f"| {minor(r['torch'])}.x (built with {r['torch']}) | {r['oneccl']} | {r['impi_rt']} | {r['hwloc']} "
+            f"| {', '.join(r['python'])} | {' '.join(r['checked'].split())} |")
+    return "\n".join(rows)
+
+
+def readme(path, meta):
+    """README.md with the table between the markers replaced; None without the markers."""
+    text = path.read_text()
+    if TABLE_BEGIN not in text or TABLE_END not in text:
+        return None
+    head, rest = text.split(TABLE_BEGIN, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    return f"{head}{TABLE_BEGIN}\n{release_table(meta)}\n{TABLE_END}{tail}"
+
+
+def outputs(root=ROOT):
+    meta, default = load(root / "meta" / "releases.yaml")
     files = {
-        ROOT / "recipe" / "conda_build_config.yaml": variants(meta),
-        ROOT / "oneccl_bind_pt" / "_version.py": version_py(rel),
-        ROOT / "pyproject.toml": pinned(ROOT / "pyproject.toml", rel),
-        ROOT / "requirements.txt": pinned(ROOT / "requirements.txt", rel),
+        root / "recipe" / "conda_build_config.yaml": variants(meta),
+        root / "oneccl_bind_pt" / "_version.py": version_py(meta, default),
+        root / "pyproject.toml": pinned(root / "pyproject.toml", default),
+        root / "requirements.txt": default_requirements(default),
     }
     for r in meta["releases"]:
-        files[ROOT / "environments" / f"torch-{r['torch']}" / "environment.yml"] = environment(meta, r)
+        files[root / "environments" / f"torch-{r['torch']}" / "environment.yml"] = environment(meta, r)
+        files[root / "requirements" / f"torch-{r['torch']}.txt"] = requirements(meta, r)
+    if (root / "README.md").exists() and (text := readme(root / "README.md", meta)) is not None:
+        files[root / "README.md"] = text
     return files
+
+
+def obsolete(files, root=ROOT):
+    """Per-release files of a release the matrix no longer lists."""
+    found = [*root.glob("environments/torch-*/environment.yml"), *root.glob("requirements/torch-*.txt")]
+    return sorted(p for p in found if p not in files)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="only report stale files (exit 1 if any)")
     args = ap.parse_args()
-    stale = []
-    for path, text in outputs().items():
-        if path.exists() and path.read_text() == text:
-            continue
-        stale.append(path.relative_to(ROOT))
-        if not args.check:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-    if args.check and stale:
-        print("stale (run python scripts/gen_release_files.py):", *map(str, stale), sep="\n  ")
-        return 1
+    files = outputs()
+    stale = [p for p, text in files.items() if not (p.exists() and p.read_text() == text)]
+    gone = obsolete(files)
+    if args.check:
+        if stale or gone:
+            print("stale (run python scripts/gen_release_files.py):",
+                  *(str(p.relative_to(ROOT)) for p in stale),
+                  *(f"{p.relative_to(ROOT)} (no such release)" for p in gone), sep="\n  ")
+            return 1
+        return 0
     for p in stale:
-        print("wrote", p)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(files[p])
+        print("wrote", p.relative_to(ROOT))
+    for p in gone:
+        p.unlink()
+        print("removed", p.relative_to(ROOT))
     return 0
 
 

@@ -157,3 +157,19 @@ def test_setup_names_a_missing_interpreter():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "python9.99 not found" in r.stderr
+
+
+def test_setup_names_the_releases_when_asked_for_another():
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--torch", "2.0.0"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2
+    releases = sorted(p.name[len("torch-"):-len(".txt")] for p in (ROOT / "requirements").glob("torch-*.txt"))
+    assert f"no release for torch 2.0.0; releases: {' '.join(releases)}" in r.stderr, r.stderr
+    assert not (ROOT / ".venv-torch2.0.0").exists()
+
+
+def test_setup_documents_its_release_flag():
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0
+    assert "--torch 2.14.1" in r.stdout and ".venv-torch2.14.1" in r.stdout

@@ -31,3 +31,6 @@ def test_conda_package_builds_installs_and_trains(tmp_path):
     assert 0.2 < rep["package_mib"] < 20
     assert {"oneccl_bind_pt", "pytorch", "python", "impi_rt", "hwloc"} <= set(rep["env_packages"])
     assert rep["env_packages"]["oneccl_bind_pt"].startswith(rep["torch"])
+    # Run-pinned to the torch minor it was built with (recipe: pin_compatible upper_bound x.x).
+    major, minor = map(int, rep["torch"].split(".")[:2])
+    assert f"pytorch >={rep['torch']},<{major}.{minor + 1}.0a0" in rep["package_depends"], rep["package_depends"]

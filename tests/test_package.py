@@ -9,10 +9,16 @@ import sys
 
 import pytest
 import torch
+from packaging.requirements import Requirement
 import torch.distributed as dist
 
 import oneccl_bind_pt
 from oneccl_bind_pt import _env
+from oneccl_bind_pt._build_info import TORCH_BUILT_WITH
+
+# The release this build is: the row of the release table for the installed torch.
+ROW = oneccl_bind_pt.release_for(torch.__version__)
+OTHER_ROWS = [r for r in oneccl_bind_pt.supported_releases() if r["torch"] != ROW["torch"]]
 
 
 def test_three_import_names_are_one_module():
@@ -27,8 +33,8 @@ def test_three_import_names_are_one_module():
 def test_cwd_version_and_registration():
     import torch_ccl
 
-    assert oneccl_bind_pt.__version__ == "2.13.0+cpu"
-    assert importlib.metadata.version("oneccl_bind_pt") == "2.13.0+cpu"
+    assert oneccl_bind_pt.__version__ == ROW["version"]
+    assert importlib.metadata.version("oneccl_bind_pt") == oneccl_bind_pt.__version__
     assert oneccl_bind_pt.cwd == os.path.dirname(torch_ccl.__file__)
     assert os.path.isfile(os.path.join(oneccl_bind_pt.cwd, "env", "setvars.sh"))
     assert "ccl" in dist.Backend.backend_list
@@ -45,13 +51,45 @@ def test_extension_is_self_contained():
     assert "$ORIGIN/../../.." in needed
 
 
+def _import_with_torch(version, cwd):
+    code = f"import torch; torch.__version__ = {version!r}; import oneccl_bind_pt"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd)
+
+
 def test_other_torch_version_is_refused_with_a_clear_message(tmp_path):
-    code = "import torch; torch.__version__ = '2.12.1+cpu'; import oneccl_bind_pt"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    proc = _import_with_torch("2.12.1+cpu", tmp_path)
     assert proc.returncode != 0
     assert "ImportError" in proc.stderr
-    for needle in ("2.12.1+cpu", "2.13.0", "pip install torch==2.13.0"):
+    built = TORCH_BUILT_WITH.split("+")[0]
+    for needle in ("2.12.1+cpu", TORCH_BUILT_WITH, f"pip install torch=={built}",
+                   "No oneccl_bind_pt release supports torch 2.12.1+cpu"):
         assert needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("other", OTHER_ROWS, ids=lambda r: r["torch"])
+def test_torch_of_another_release_names_the_oneccl_bind_pt_that_matches_it(other, tmp_path):
+    seen = f"{other['torch'].rsplit('.', 1)[0]}.9+cu130"  # any patch and build of that minor
+    proc = _import_with_torch(seen, tmp_path)
+    assert proc.returncode != 0
+    public = other["version"].split("+")[0]
+    for needle in (f"torch {seen} install oneccl_bind_pt {other['version']}",
+                   f"pip install oneccl_bind_pt=={public}", f"pip install torch=={TORCH_BUILT_WITH.split('+')[0]}"):
+        assert needle in proc.stderr, proc.stderr
+
+
+def test_supported_releases_are_the_table():
+    rows = oneccl_bind_pt.supported_releases()
+    assert ROW in rows and len(rows) == 1 + len(OTHER_ROWS)
+    assert all(r["version"].startswith(r["torch"]) for r in rows)
+
+
+def test_metadata_declares_the_torch_minor_and_the_runtime():
+    """What makes `pip install <wheel>` work without a compiler: runtime deps, not oneccl-devel."""
+    def parsed(reqs):
+        return {r.name: r.specifier for r in map(Requirement, reqs)}
+
+    assert parsed(importlib.metadata.requires("oneccl_bind_pt")) == parsed(
+        [ROW["torch_requirement"], f"impi-rt=={ROW['impi_rt']}", f"tcmlib=={ROW['tcmlib']}"])
 
 
 def test_defaults_never_override_the_user():
@@ -73,7 +111,7 @@ def test_import_in_a_fresh_interpreter(name, tmp_path):
         env={k: v for k, v in os.environ.items() if not k.startswith(("CCL_", "LD_"))},
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("2.13.0+cpu ")
+    assert proc.stdout.startswith(f"{oneccl_bind_pt.__version__} ")
 
 
 SETVARS = os.path.join(oneccl_bind_pt.cwd, "env", "setvars.sh")
@@ -110,8 +148,36 @@ def test_build_names_a_missing_oneccl_and_how_to_get_it(tmp_path):
     proc = subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, capture_output=True, text=True,
                           env={**os.environ, "CCL_ROOT": str(tmp_path)})
     assert proc.returncode != 0
-    for needle in ("oneCCL not found under", str(tmp_path), "libccl.a", "pip install oneccl-devel==2022.1.2"):
+    for needle in ("oneCCL not found under", str(tmp_path), "libccl.a", f"pip install oneccl-devel=={ROW['oneccl']}"):
         assert needle in proc.stderr, proc.stderr
+
+
+def _setup_py_with_torch(version, tmp_path):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+
+
+def test_build_refuses_a_torch_no_release_pairs_with(tmp_path):
+    """setup.py names the supported releases and the pip command before compiling anything."""
+    proc = _setup_py_with_torch("2.12.1+cpu", tmp_path)
+    assert proc.returncode != 0
+    default = oneccl_bind_pt._version.RELEASES[oneccl_bind_pt._version.DEFAULT]
+    for needle in ["torch 2.12.1+cpu is installed", f"pip install torch=={default['torch']}",
+                   *(f"{r['torch_requirement']} -> oneccl_bind_pt {r['version']}" for r in OTHER_ROWS + [ROW])]:
+        assert needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("row", [r for r in OTHER_ROWS + [ROW] if not r["torch"].endswith(".0")],
+                         ids=lambda r: r["torch"])
+def test_build_refuses_an_older_patch_than_its_release_and_names_that_release(row, tmp_path):
+    """Its wheel would require torch>=X.Y.Z: the torch it was built with would not satisfy it."""
+    major, minor, patch = row["torch"].split(".")
+    proc = _setup_py_with_torch(f"{major}.{minor}.{int(patch) - 1}", tmp_path)
+    assert proc.returncode != 0
+    assert f"pip install torch=={row['torch']}" in proc.stderr, proc.stderr
 
 
 def test_doctor_selftest_passes_and_flags_problems(tmp_path):
@@ -120,8 +186,10 @@ def test_doctor_selftest_passes_and_flags_problems(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "oneccl_bind_pt.doctor", "--selftest"], cwd=tmp_path,
                         capture_output=True, text=True, timeout=300, env={**base, "PATH": f"{bindir}:/usr/bin:/bin"})
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "(built against 2.13.0+cpu: match)" in ok.stdout
+    assert f"(built against {TORCH_BUILT_WITH}: match)" in ok.stdout
     assert "self-test        PASS" in ok.stdout
+    for row in [ROW, *OTHER_ROWS]:  # which oneccl_bind_pt goes with which torch
+        assert f"oneccl_bind_pt=={row['version'].split('+')[0]}" in ok.stdout
     assert "CCL_WORKER_OFFLOAD=0" in ok.stdout  # the defaults it applied are shown
     # The environment's mpirun exists but no mpirun is on PATH: a problem, with the fix.
     (tmp_path / "nobin").mkdir()

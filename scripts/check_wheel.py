@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Prove a built wheel installs and trains where only its torch is: no compiler, no oneCCL.
+
+    python scripts/check_wheel.py                    # every release's wheel in dist/
+    python scripts/check_wheel.py --torch 2.14.1     # one (repeatable)
+
+For each release: a fresh venv (in a temporary folder) gets `pip install torch==<version>`
+and nothing else; then `pip install dist/oneccl_bind_pt-<version>+cpu-*.whl` runs with
+CC=/bin/false CXX=/bin/false (a build step would fail) and must bring its runtime
+(impi-rt: mpirun + libfabric; tcmlib: hwloc) as declared requirements, without
+oneccl-devel. Then, from outside the checkout, examples/ddp.py trains on 2 ranks under
+`torchrun --nproc_per_node 2` and under `mpirun -n 2` (the venv's, from impi-rt), and all
+four ranks must print the same parameter checksum. Reports sizes and times
+(--json); the venv is removed unless --keep.
+
+Build the wheels first: python scripts/build_wheels.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import releases  # noqa: E402
+
+EXAMPLE = releases.ROOT / "examples" / "ddp.py"
+# No launcher context, oneCCL / MPI / libfabric setting or venv may leak in from here.
+LEAKS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PMI_", "CCL_",
+         "I_MPI_", "FI_", "VIRTUAL_ENV", "PYTHONPATH", "LD_LIBRARY_PATH", "CONDA")
+
+
+def say(msg: str) -> None:
+    print(f"[check_wheel {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def run(cmd, env, cwd, timeout=600) -> str:
+    """Runs a command in its own session (a timeout kills the ranks too); its output, or exits."""
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        sys.exit(f"{' '.join(map(str, cmd))} did not finish within {timeout} s:\n{out[-4000:]}")
+    if proc.returncode:
+        sys.exit(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{out[-6000:]}")
+    return out
+
+
+def checksums(out: str) -> dict:
+    # Ranks share one pipe, so lines may run together: match the number exactly.
+    return dict(re.findall(r"rank (\d+) parameter checksum (-?\d+\.\d{10})", out))
+
+
+def check(torch: str, wheel: Path, venv: Path) -> dict:
+    row = releases.ROWS[torch]
+    rep = {"torch": torch, "wheel": wheel.name, "wheel_mib": round(wheel.stat().st_size / 2**20, 2)}
+    if venv.exists():
+        shutil.rmtree(venv)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(LEAKS)}
+    base["PATH"] = f"{venv / 'bin'}{os.pathsep}/usr/bin:/bin"
+    py = venv / "bin" / "python"
+    pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+
+    t = time.monotonic()
+    run([sys.executable, "-m", "venv", venv], base, venv.parent)
+    run(pip + [f"torch=={torch}"], releases.pip_env(torch, base), venv.parent, timeout=3600)
+    rep["torch_venv_s"] = round(time.monotonic() - t, 1)
+    rep["torch_venv_mib"] = round(releases.dir_mib(venv))
+    say(f"torch {torch}: fresh venv with torch in {rep['torch_venv_s']} s, {rep['torch_venv_mib']} MiB")
+
+    # A build step (an sdist, a compiled dependency) would need a compiler: make any fail.
+    t = time.monotonic()
+    run(pip + [wheel], {**releases.pip_env(torch, base), "CC": "/bin/false", "CXX": "/bin/false"}, venv.parent)
+    rep["wheel_install_s"] = round(time.monotonic() - t, 1)
+    rep["venv_mib"] = round(releases.dir_mib(venv))
+    listed = json.loads(run([py, "-m", "pip", "list", "--format", "json", "--disable-pip-version-check"],
+                            base, venv.parent))
+    installed = {p["name"].lower().replace("_", "-"): p["version"] for p in listed}
+    rep["added_by_wheel"] = sorted(f"{n}=={v}" for n, v in installed.items()
+                                   if n in ("oneccl-bind-pt", "impi-rt", "tcmlib"))
+    if "oneccl-devel" in installed or "oneccl" in installed or list(venv.glob("include/oneapi/ccl.hpp")):
+        sys.exit(f"oneCCL's development files got into the venv: {sorted(installed)}")
+    if installed.get("oneccl-bind-pt") != row["version"]:
+        sys.exit(f"expected oneccl_bind_pt {row['version']}, pip lists {installed.get('oneccl-bind-pt')}")
+    run([py, "-m", "pip", "check", "--disable-pip-version-check"], base, venv.parent)
+    say(f"torch {torch}: {wheel.name} installed without a compiler in {rep['wheel_install_s']} s: "
+        f"{', '.join(rep['added_by_wheel'])}; venv {rep['venv_mib']} MiB")
+
+    # From outside the checkout: the installed package, not the source tree.
+    sums = {}
+    for launcher, cmd, extra in (
+        ("torchrun", [venv / "bin" / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), EXAMPLE], {}),
+        ("mpirun", [venv / "bin" / "mpirun", "-n", "2", py, EXAMPLE], {"MASTER_PORT": free_port()}),
+    ):
+        t = time.monotonic()
+        out = run(cmd, {**base, **extra}, venv.parent, timeout=300)
+        rep[f"{launcher}_s"] = round(time.monotonic() - t, 1)
+        sums[launcher] = checksums(out)
+        if sorted(sums[launcher]) != ["0", "1"]:
+            sys.exit(f"{launcher}: expected a checksum from ranks 0 and 1:\n{out[-4000:]}")
+        say(f"torch {torch}: {launcher} DDP: {sums[launcher]} ({rep[f'{launcher}_s']} s)")
+    # Same seed and data under both launchers: one checksum from all four ranks.
+    values = {v for s in sums.values() for v in s.values()}
+    if len(values) != 1:
+        sys.exit(f"ranks disagree: {sums}")
+    rep["checksum"] = values.pop()
+    return rep
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    releases.add_torch_option(ap, every=True)
+    ap.add_argument("--dist", type=Path, default=releases.ROOT / "dist", help="the wheels (default: %(default)s)")
+    ap.add_argument("--work", type=Path, help="where the fresh venvs go (default: a temporary folder)")
+    ap.add_argument("--keep", action="store_true", help="keep the venvs")
+    ap.add_argument("--json", type=Path, help="write sizes and times here")
+    args = ap.parse_args()
+    work = (args.work or Path(tempfile.mkdtemp(prefix="obp-wheel-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    done = []
+    for torch in args.torch or list(releases.ROWS):
+        wheels = sorted(args.dist.glob(f"oneccl_bind_pt-{releases.ROWS[torch]['version']}-*.whl"))
+        if not wheels:
+            sys.exit(f"no wheel for torch {torch} in {args.dist}: python scripts/build_wheels.py --torch {torch}")
+        venv = work / f"venv-torch{torch}"
+        try:
+            done.append(check(torch, wheels[-1], venv))
+        finally:
+            if not args.keep:
+                shutil.rmtree(venv, ignore_errors=True)
+        if args.json:  # after each release: a later failure keeps what was measured
+            args.json.write_text(json.dumps(done, indent=2))
+    if not args.keep and not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    say("OK: " + "; ".join(f"{r['wheel']} ({r['wheel_mib']} MiB)" for r in done))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""What a torch release added to the c10d Backend API, through this backend (src/compat.hpp).
+
+On a release without the feature the test is skipped; tests/test_other_releases.py runs
+this file on every supported release.
+"""
+
+import datetime
+import json
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+
+
+def _at_least(major, minor):
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
+
+
+needs_2_14 = pytest.mark.skipif(not _at_least(2, 14), reason="torch 2.14 added it")
+needs_2_15 = pytest.mark.skipif(not _at_least(2, 15), reason="torch 2.15 added it")
+
+
+def _gather_single(rank, world):
+    t = torch.arange(3, dtype=torch.float32) + 10 * rank
+    out = torch.empty(world * 3) if rank == 1 else None
+    dist.gather_single(t, out, dst=1)
+    if rank == 1:
+        return out.tolist() == [10.0 * r + i for r in range(world) for i in range(3)]
+    return True
+
+
+@needs_2_14
+def test_gather_single_fills_one_tensor_on_the_root():
+    # Without an override, torch's default raises "Backend ccl does not support gather_single".
+    assert all(run_ranks(_gather_single, 3))
+
+
+def _work_timeout(rank, world):
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    work.wait()
+    return work.timeout
+
+
+@needs_2_14
+def test_work_timeout_is_the_groups():
+    # torch's default Work.timeout raises "This Backend doesn't support getTimeout."
+    assert run_ranks(_work_timeout, 2, pg_timeout=42) == [datetime.timedelta(seconds=42)] * 2
+
+
+def _recorded_states():
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+
+    return [e["state"] for e in json.loads(_dump_fr_trace_json(backend="ccl")).get("entries", [])]
+
+
+def _flight_recorder(rank, world):
+    dist.all_reduce(torch.ones(4))
+    if rank == 1:
+        time.sleep(2)  # rank 0's next op cannot finish before this
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    in_flight = _recorded_states()[-1] if rank == 0 else None
+    work.wait()
+    return in_flight, _recorded_states()
+
+
+@needs_2_15
+def test_flight_recorder_records_completion_not_issue():
+    """torch 2.15 attaches its FlightRecorder to every group; with the backend's completion
+    hooks it marks an op completed when it is, not when it was issued."""
+    (in_flight, states0), (_, states1) = run_ranks(_flight_recorder, 2)
+    assert in_flight != "completed", states0
+    assert states0[-2:] == ["completed", "completed"] and states1[-2:] == ["completed", "completed"]

@@ -17,6 +17,13 @@ def _pg():
     return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
 
 
+# torch 2.13 refuses monitored_barrier itself for every backend but gloo (a ValueError);
+# from 2.14 it asks the backend, whose default (gloo alone overrides it) raises a RuntimeError.
+_TORCH_MINOR = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+MONITORED_BARRIER_ERROR = RuntimeError if _TORCH_MINOR >= (2, 14) else ValueError
+MONITORED_BARRIER_NEEDLE = "monitoredBarrier" if _TORCH_MINOR >= (2, 14) else "monitored_barrier"
+
+
 def _cases(rank, world):
     """name -> (call, words its ccl error message must contain). Every rank errs."""
     pg = _pg()
@@ -69,15 +76,14 @@ def _cases(rank, world):
             lambda: dist.reduce_scatter_single(torch.empty(1, dtype=torch.float8_e4m3fn),
                                                torch.zeros(world, dtype=torch.float8_e4m3fn)),
             ["reduce_scatter_single", "float8"]),
-        "monitored_barrier": (lambda: dist.monitored_barrier(), ["monitored_barrier"]),
+        "monitored_barrier": (lambda: dist.monitored_barrier(), [MONITORED_BARRIER_NEEDLE]),
     }
 
 
 def _bad_inputs(rank, world):
     failures = {}
     for name, (fn, needles) in _cases(rank, world).items():
-        # torch itself refuses monitored_barrier for every backend but gloo, with a ValueError.
-        types = (ValueError,) if name == "monitored_barrier" else (RuntimeError,)
+        types = (MONITORED_BARRIER_ERROR,) if name == "monitored_barrier" else (RuntimeError,)
         try:
             expect_error(fn, *needles, types=types)
         except AssertionError as e:
@@ -123,7 +129,7 @@ def test_errors_are_the_kind_gloo_raises():
     assert len(gloo) >= 10, gloo  # the comparison below must have something to compare
     for name, classes in ccl.items():
         if name == "monitored_barrier":
-            continue  # torch's own ValueError, before any backend
+            continue  # torch's own refusal (MONITORED_BARRIER_ERROR)
         assert "RuntimeError" in classes, f"{name}: ccl raised {classes[0]}, not a RuntimeError"
         if name in gloo:
             for kind in ("ValueError", "TypeError"):  # torch's Python checks, same for every backend

@@ -2,12 +2,15 @@
 
 91 of the suite's 285 cases spawn ranks on CPU, the same 91 at world size 2
 and 3 (the "_group" variants need 8 ranks; the rest need GPUs); a case skipped
-before spawning costs nothing. A spawning case costs 5-25 s on the 2-core CI
+before spawning costs nothing. A spawning case costs 5-45 s on the 2-core CI
 machine kind, almost all of it each rank importing torch, so a plan's cost is
-about its number of cases. The whole suite is 15-20 min per backend and world
-size there: too much for every CI run, hence:
+about its number of cases. The whole suite is 12-36 min per backend and world
+size there, by load: too much for every CI run, hence:
 
-- ci-ws2 and ci-ws3, run by default (see SELECTION_MEASURED for their time);
+- ci-ws2 and ci-ws3, run by default: 9 min 11 s together with the checks
+  that spawn nothing (ci-ws2 404 s, ci-ws3 131 s), measured there while a
+  whole-suite gloo run shared the cores for 6 of those minutes; about a
+  minute per 6 cases;
 - full-ws2 and full-ws3, the whole suite, with --runslow (and by hand);
 - smoke, a minute or so: the plan a second torch release's environment runs.
 """

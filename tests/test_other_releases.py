@@ -6,7 +6,8 @@ way a developer makes them, `scripts/setup.sh --torch <version>` (.venv-torch<ve
 objects under build/torch-<torch version>/: cached between runs, never shared between
 releases), and then that venv's pytest runs SUBSET: the build and package checks, what
 the release added to the c10d API (tests/test_release_api.py), the op x dtype matrix on
-2 ranks through both transports, async, errors, DDP and FSDP training and torchrun. A
+2 ranks through both transports, async, errors, DDP and FSDP training, torchrun and the
+smoke plan of PyTorch's distributed suite. A
 release's C++ API differs in src/compat.hpp only, so what the subset leaves out (3 and 4
 ranks, more launchers, integrations) runs the same code.
 
@@ -37,6 +38,8 @@ SUBSET = [
     "tests/test_training.py::test_ddp_matches_gloo",
     "tests/test_examples.py::test_fsdp_example_trains_like_one_process_on_the_whole_batch",
     "tests/test_launchers.py::test_torchrun_ddp_example",
+    # PyTorch's own suite, its smoke plan (6 cases against gloo; marked slow at home).
+    "tests/test_pytorch_suite.py::test_ccl_matches_gloo[smoke]", "--runslow",
 ]
 
 

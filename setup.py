@@ -1,22 +1,34 @@
 """Builds oneccl_bind_pt._C: the ccl backend linked against oneCCL's CPU static archive.
 
-oneCCL is looked up under $CCL_ROOT, else under this Python's prefix (where the
-`oneccl-devel` wheel puts it). See README.md for the one-line setup.
+The release (torch version, pins, Pythons) comes from the generated release table
+(oneccl_bind_pt/_version.py): an sdist's own version, else $ONECCL_BIND_PT_RELEASE (a torch
+version such as 2.14.1, for `python -m build --sdist` of another release), else the installed
+torch, else the default release. Metadata and sdists need neither torch nor oneCCL.
+
+Compiling needs that torch installed (`--no-deps` is enough: torch is located, never imported,
+so a CUDA build without its nvidia-* packages works) and oneCCL, looked up under $CCL_ROOT,
+else this Python's prefix (where the `oneccl-devel` wheel puts it). See README.md.
 """
 
+import importlib.metadata
+import importlib.util
 import os
 import re
 import runpy
+import shlex
 import subprocess
 import sys
+from email.parser import Parser
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
 # The release table (generated from meta/releases.yaml): one row per supported torch minor.
 TABLE = runpy.run_path(str(HERE / "oneccl_bind_pt" / "_version.py"))
+PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 def release_tuple(version):
@@ -24,26 +36,68 @@ def release_tuple(version):
     return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
+def installed_torch():
+    """The installed torch's version, read from its metadata (importing a CUDA build installed
+    without its nvidia-* packages fails, and compiling does not need it), or None."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def supported():
+    return "; ".join(f"torch {r['torch']} on Python {', '.join(r['python'])} -> oneccl_bind_pt {r['version']}"
+                     for r in TABLE["RELEASES"].values())
+
+
 def choose_release():
-    """The row of the release table for the installed torch (same major.minor, same or later
-    patch) and that torch's version; stops with the supported releases when there is none."""
-    import torch
+    """The release table's row this tree builds, and where that choice came from."""
+    pkg_info = HERE / "PKG-INFO"
+    if pkg_info.exists():  # an unpacked sdist: built for exactly one release
+        version = Parser().parsestr(pkg_info.read_text())["Version"]
+        row = next((r for r in TABLE["RELEASES"].values() if r["version"] == version), None)
+        if row is None:
+            sys.exit(f"oneccl_bind_pt: this sdist's version {version} is not in its release table")
+        return row, f"this sdist (oneccl_bind_pt {version})"
+    asked = os.environ.get("ONECCL_BIND_PT_RELEASE")
+    if asked:
+        row = TABLE["release_for"](asked)
+        if row is None:
+            sys.exit(f"oneccl_bind_pt: ONECCL_BIND_PT_RELEASE={asked} is no release. Supported: {supported()}.")
+        return row, f"ONECCL_BIND_PT_RELEASE={asked}"
+    torch = installed_torch()
+    if torch is not None:
+        row = TABLE["release_for"](torch)
+        if row is not None:
+            return row, f"the installed torch {torch}"
+    return TABLE["RELEASES"][TABLE["DEFAULT"]], "the default release"
 
-    row = TABLE["release_for"](torch.__version__)
-    if row is None or release_tuple(torch.__version__) < release_tuple(row["torch"]):
-        supported = ", ".join(f"{r['torch_requirement']} -> oneccl_bind_pt {r['version']}"
-                              for r in TABLE["RELEASES"].values())
-        suggest = (row or TABLE["RELEASES"][TABLE["DEFAULT"]])["torch"]
-        sys.exit(
-            f"oneccl_bind_pt: torch {torch.__version__} is installed, which no release here builds against.\n"
-            f"Supported: {supported}.\n"
-            f"Install one of them first, e.g.: pip install torch=={suggest} "
-            "(or ./scripts/setup.sh --torch <version>), then build with --no-build-isolation."
-        )
-    return row, torch.__version__
+
+RELEASE, CHOSEN_BY = choose_release()
 
 
-def find_oneccl():
+def install_hint():
+    return (f"pip install torch=={RELEASE['torch']} oneccl-devel=={RELEASE['oneccl']} ninja, "
+            "then build with --no-build-isolation (or use ./scripts/setup.sh --torch "
+            f"{RELEASE['torch']} --python {PYTHON} in a checkout)")
+
+
+def check_build_inputs():
+    """Stops, naming what to install, unless this Python, the installed torch and oneCCL are
+    what the chosen release builds with. Returns (torch version, torch folder, oneCCL root)."""
+    if PYTHON not in RELEASE["python"]:
+        sys.exit(f"oneccl_bind_pt {RELEASE['version']} (chosen by {CHOSEN_BY}) supports Python "
+                 f"{', '.join(RELEASE['python'])}, not {PYTHON}. Supported: {supported()}.")
+    torch = installed_torch()
+    spec = importlib.util.find_spec("torch")
+    if torch is None or spec is None or spec.origin is None:
+        sys.exit(f"oneccl_bind_pt {RELEASE['version']} builds against torch {RELEASE['torch']}, "
+                 f"which is not installed in this Python ({sys.executable}).\nInstall the build inputs: "
+                 f"{install_hint()}.")
+    if TABLE["release_for"](torch) != RELEASE or release_tuple(torch) < release_tuple(RELEASE["torch"]):
+        sys.exit(f"oneccl_bind_pt: torch {torch} is installed, but oneccl_bind_pt {RELEASE['version']} "
+                 f"(chosen by {CHOSEN_BY}) builds against torch {RELEASE['torch']}.\n"
+                 f"Supported: {supported()}.\nInstall the matching pair: {install_hint()}.")
     root = Path(os.environ.get("CCL_ROOT") or sys.prefix)
     need = {
         "header": root / "include" / "oneapi" / "ccl.hpp",
@@ -59,11 +113,7 @@ def find_oneccl():
             f"Install it with: pip install oneccl-devel=={RELEASE['oneccl']} "
             "(or set CCL_ROOT to a oneCCL install that has lib/ccl/cpu/lib/libccl.a)."
         )
-    return root
-
-
-RELEASE, TORCH_VERSION = choose_release()
-CCL_ROOT = find_oneccl()
+    return torch, Path(spec.origin).parent, root
 
 
 class BuildPy(build_py):
@@ -72,57 +122,98 @@ class BuildPy(build_py):
 
     def run(self):
         super().run()
+        torch, _, ccl_root = check_build_inputs()
         (Path(self.build_lib) / "oneccl_bind_pt" / "_build_info.py").write_text(
             "# Written by setup.py at build time.\n"
             f'RELEASE = "{RELEASE["torch"].rsplit(".", 1)[0]}"  # the row of _version.RELEASES built\n'
-            f'TORCH_BUILT_WITH = "{TORCH_VERSION}"\n'
-            f'ONECCL_ROOT_AT_BUILD = "{CCL_ROOT}"\n'
+            f'TORCH_BUILT_WITH = "{torch}"\n'
+            f'ONECCL_ROOT_AT_BUILD = "{ccl_root}"\n'
         )
 
 
-def make_extension():
-    from torch.utils.cpp_extension import BuildExtension, CppExtension
+def ninja_compile(compiler, build_dir):
+    """A compile() for the compiler object that builds every object with ninja: in parallel,
+    and again only when a source or a header it includes changed (gcc's depfiles), which
+    setuptools alone would not do."""
 
-    root = CCL_ROOT
-    lib = root / "lib"
+    def compile(sources, output_dir=None, macros=None, include_dirs=None, debug=0, extra_preargs=None,
+                extra_postargs=None, depends=None):
+        macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+            output_dir, macros, include_dirs, sources, depends, extra_postargs)
+        cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+        cxx = getattr(compiler, "compiler_so_cxx", None) or compiler.compiler_so
+        esc = lambda p: str(p).replace("$", "$$").replace(" ", "$ ").replace(":", "$:")  # noqa: E731
+        lines = ["ninja_required_version = 1.3",
+                 f"flags = {shlex.join([*cxx, *cc_args, *extra_postargs])}",
+                 "rule cxx",
+                 "  command = $flags -MMD -MF $out.d -c $in -o $out",
+                 "  depfile = $out.d",
+                 "  deps = gcc",
+                 "  description = c++ $in"]
+        lines += [f"build {esc(obj)}: cxx {esc(Path(src).resolve())}" for obj, (src, _) in build.items()]
+        build_dir.mkdir(parents=True, exist_ok=True)
+        ninja_file = build_dir / "build.ninja"
+        text = "\n".join(lines) + "\n"
+        if not ninja_file.exists() or ninja_file.read_text() != text:
+            ninja_file.write_text(text)
+        try:
+            import ninja
 
-    class Build(BuildExtension):
-        def build_extensions(self):
-            super().build_extensions()
-            # A declared-but-undefined oneCCL symbol links fine and fails at import.
-            for ext in self.extensions:
-                path = self.get_ext_fullpath(ext.name)
-                out = subprocess.run(
-                    [os.environ.get("NM", "nm"), "-D", "--undefined-only", path], capture_output=True, text=True, check=True
-                ).stdout
-                bad = sorted({line.split()[-1] for line in out.splitlines() if "_ZN3ccl" in line})
-                if bad:
-                    sys.exit(f"{path} leaves oneCCL symbols undefined (import would fail): {bad}")
+            exe = str(Path(ninja.BIN_DIR) / "ninja")
+        except ImportError:
+            exe = "ninja"
+        jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
+        subprocess.run([exe, "-f", str(ninja_file), "-j", jobs], check=True)
+        return objects
 
-    ext = CppExtension(
-        name="oneccl_bind_pt._C",
-        sources=sorted(str(p.relative_to(HERE)) for p in (HERE / "src").glob("*.cpp")),
-        include_dirs=[str(HERE / "src"), str(root / "include")],
-        # -g0: no debug info, a quarter of the compile time and size.
-        extra_compile_args=["-O2", "-g0", "-Wno-deprecated-declarations"],
-        extra_objects=[str(lib / "ccl" / "cpu" / "lib" / "libccl.a")],
-        extra_link_args=[
-            # Keep oneCCL's symbols private to the extension.
-            "-Wl,--exclude-libs,ALL",
-            f"-L{lib}",
-            "-l:libhwloc.so.15",
-            "-ldl",
-            "-lrt",
-            # site-packages/oneccl_bind_pt -> <prefix>/lib: hwloc and libfabric.
-            "-Wl,-rpath,$ORIGIN/../../..",
-        ]
-        # A oneCCL outside this prefix is found where it was at build time.
-        + ([] if root == Path(sys.prefix) else [f"-Wl,-rpath,{lib}"]),
-    )
-    return [ext], {"build_ext": Build, "build_py": BuildPy}
+    return compile
 
 
-ext_modules, cmdclass = make_extension()
+class BuildExt(build_ext):
+    def build_extensions(self):
+        torch, torch_dir, ccl_root = check_build_inputs()
+        lib = ccl_root / "lib"
+        for ext in self.extensions:
+            # torch's C++ extension flags (torch.utils.cpp_extension), without importing torch.
+            ext.include_dirs += [str(ccl_root / "include"), str(torch_dir / "include"),
+                                 str(torch_dir / "include" / "torch" / "csrc" / "api" / "include")]
+            ext.library_dirs += [str(torch_dir / "lib"), str(lib)]
+            ext.extra_objects += [str(lib / "ccl" / "cpu" / "lib" / "libccl.a")]
+            # A oneCCL outside this prefix is found where it was at build time.
+            if ccl_root != Path(sys.prefix):
+                ext.extra_link_args += [f"-Wl,-rpath,{lib}"]
+        self.compiler.compile = ninja_compile(self.compiler, Path(self.build_temp) / "ninja")
+        super().build_extensions()
+        # A declared-but-undefined oneCCL symbol links fine and fails at import.
+        for ext in self.extensions:
+            path = self.get_ext_fullpath(ext.name)
+            out = subprocess.run([os.environ.get("NM", "nm"), "-D", "--undefined-only", path],
+                                 capture_output=True, text=True, check=True).stdout
+            bad = sorted({line.split()[-1] for line in out.splitlines() if "_ZN3ccl" in line})
+            if bad:
+                sys.exit(f"{path} leaves oneCCL symbols undefined (import would fail): {bad}")
+
+
+ext = Extension(
+    name="oneccl_bind_pt._C",
+    language="c++",
+    sources=sorted(str(p.relative_to(HERE)) for p in (HERE / "src").glob("*.cpp")),
+    depends=sorted(str(p.relative_to(HERE)) for pattern in ("*.hpp", "*.inc") for p in (HERE / "src").glob(pattern)),
+    include_dirs=[str(HERE / "src")],
+    define_macros=[("TORCH_API_INCLUDE_EXTENSION_H", None), ("TORCH_EXTENSION_NAME", "_C")],
+    # -g0: no debug info, a quarter of the compile time and size.
+    extra_compile_args=["-std=c++20", "-O2", "-g0", "-Wno-deprecated-declarations"],
+    libraries=["c10", "torch", "torch_cpu", "torch_python"],
+    extra_link_args=[
+        # Keep oneCCL's symbols private to the extension.
+        "-Wl,--exclude-libs,ALL",
+        "-l:libhwloc.so.15",
+        "-ldl",
+        "-lrt",
+        # site-packages/oneccl_bind_pt -> <prefix>/lib: hwloc (tcmlib) and libfabric (impi-rt).
+        "-Wl,-rpath,$ORIGIN/../../..",
+    ],
+)
 
 # A conda build gets torch, hwloc and Intel MPI from conda packages (recipe/), so
 # its metadata names only torch. Run time needs torch (any patch of the minor it was
@@ -134,15 +225,19 @@ if not os.environ.get("CONDA_BUILD"):
 
 setup(
     version=RELEASE["version"],
+    python_requires=RELEASE["requires_python"],
     packages=["oneccl_bind_pt", "oneccl_bind_pt.env", "oneccl_bind_pt.env.conda",
               "oneccl_bindings_for_pytorch", "torch_ccl"],
     # env/ (setvars.sh, conda activation) ships inside the package: <cwd>/env/setvars.sh.
     package_dir={"oneccl_bind_pt.env": "env", "oneccl_bind_pt.env.conda": "env/conda"},
     package_data={"oneccl_bind_pt.env": ["*.sh"], "oneccl_bind_pt.env.conda": ["*.sh"]},
     install_requires=install_requires,
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-    # Objects, the linked extension and the wheel's staging tree per torch version: a build
-    # never reuses (or skips as up to date) what was built against another torch.
-    options={"build": {"build_base": f"build/torch-{TORCH_VERSION}"}},
+    # torch >= 2.14 looks backends up in this group when init_process_group meets a name it
+    # does not know: "ccl" works without importing the package first.
+    entry_points={"torch.distributed.backends": ["ccl = oneccl_bind_pt._registration:register"]},
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExt, "build_py": BuildPy},
+    # Objects, the linked extension and the wheel's staging tree per torch and Python: a
+    # build never reuses (or skips as up to date) what was built against another torch.
+    options={"build": {"build_base": f"build/torch-{installed_torch() or RELEASE['torch']}-py{PYTHON}"}},
 )

@@ -11,7 +11,7 @@
 2. recipe/recipe.yaml built unchanged with py-rattler-build against only that
    channel (variants: the default release's from recipe/conda_build_config.yaml, with
    the toolchain versions replaced by what the stand-ins wrap); the recipe's own tests run.
-3. A fresh environment from environments/torch-<v>/environment.yml (its channels
+3. A fresh environment from environments/torch-<v>-py<X.Y>.yml (its channels
    mapped to the local ones), created with py-rattler.
 4. Inside it, with its activation applied: the three import names, setvars.sh,
    `mpirun -n 2` and `torchrun` DDP runs (parameters equal on both ranks), then
@@ -382,11 +382,11 @@ def build_channel(cache, rel):
 
 # ---------------------------------------------------------------- the real package
 
-def release_variants(path, torch):
-    """The variant file narrowed to one release: its entry in each zipped list."""
+def release_variants(path, torch, python):
+    """The variant file narrowed to one (torch, python) pair: its entry in each zipped list."""
     doc = yaml.safe_load(path.read_text())
     zipped = [k for group in doc.get("zip_keys", []) for k in group]
-    i = [str(v) for v in doc["pytorch"]].index(torch)
+    i = list(zip(map(str, doc["pytorch"]), map(str, doc["python"]))).index((torch, python))
     return {k: ([v[i]] if k in zipped else v) for k, v in doc.items() if k != "zip_keys"}, doc.get("zip_keys")
 
 
@@ -396,7 +396,8 @@ def build_package(work, channel, tc, rel):
     out = work / "out"
     # The recipe's variants for this release (the stand-in channel has only its torch), with
     # the toolchain the stand-ins really wrap.
-    chosen, zip_keys = release_variants(ROOT / "recipe" / "conda_build_config.yaml", rel["torch"])
+    chosen, zip_keys = release_variants(ROOT / "recipe" / "conda_build_config.yaml", rel["torch"],
+                                        ".".join(platform.python_version_tuple()[:2]))
     chosen.update(cxx_compiler_version=[tc["gxx_version"]], c_stdlib_version=[tc["glibc"]])
     variants = VariantConfig(chosen, zip_keys=zip_keys)
     t = time.time()
@@ -514,7 +515,8 @@ def main():
     report.update(package=pkg.name, package_mib=round(mib(pkg), 2), build_and_test_s=round(took, 1))
     log(f"built {pkg.name}: {mib(pkg):.2f} MiB in {took:.0f} s (build + recipe tests)")
 
-    env_file = ROOT / "environments" / f"torch-{rel['torch']}" / "environment.yml"
+    python = ".".join(platform.python_version_tuple()[:2])
+    env_file = ROOT / "environments" / f"torch-{rel['torch']}-py{python}.yml"
     channel_map = {c: channel for c in meta["channels"]}
     channel_map[meta["channels"][0]] = out   # this package's own channel
     prefix = work / "env"

@@ -4,15 +4,14 @@
     python scripts/gen_release_files.py           # rewrite them
     python scripts/gen_release_files.py --check   # exit 1 and list the stale ones
 
-Outputs: recipe/conda_build_config.yaml (one variant per release),
-environments/torch-<v>/environment.yml and requirements/torch-<v>.txt per release,
-oneccl_bind_pt/_version.py (the release table setup.py builds from), requirements.txt
-(the default release's set), the torch / oneccl-devel pins in pyproject.toml (the
-default release's), and README.md's compatibility table when README.md has the markers.
+Outputs: recipe/conda_build_config.yaml (one variant per (python, torch) pair),
+environments/torch-<t>-py<p>.yml per pair, requirements/torch-<t>.txt per release (pins
+that differ by Python carry python_version markers), oneccl_bind_pt/_version.py (the
+release table setup.py, the scripts and the package use), requirements.txt (the default
+release's set), and README.md's tables when README.md has the markers.
 """
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -38,7 +37,20 @@ def load(path=ROOT / "meta" / "releases.yaml"):
     default = next((r for r in releases if r["torch"] == meta["default"]), None)
     if default is None:
         sys.exit(f"meta/releases.yaml: default {meta['default']} is not one of its releases")
+    if meta["default_python"] not in default["python"]:
+        sys.exit(f"meta/releases.yaml: default_python {meta['default_python']} is not one of "
+                 f"torch {default['torch']}'s pythons {default['python']}")
+    listed = set(pairs(meta))
+    for entry in meta.get("ci", []):
+        if (entry["torch"], entry["python"]) not in listed:
+            sys.exit(f"meta/releases.yaml: ci pair torch {entry['torch']} / Python {entry['python']} "
+                     "is not in the matrix")
     return meta, default
+
+
+def pairs(meta):
+    """Every (torch, python) pair the matrix lists, in its order."""
+    return [(r["torch"], p) for r in meta["releases"] for p in r["python"]]
 
 
 def minor(version):
@@ -47,8 +59,16 @@ def minor(version):
 
 
 def package_version(rel):
-    """PyPI version: the torch release plus the flavour, as torch's own CPU wheels."""
-    return f"{rel['torch']}+{rel['flavour']}"
+    """PyPI version: the torch release it is built with (PyPI refuses local versions such as
+    +cpu), with .postN for a rebuild of the same release."""
+    return rel["torch"] + (f".post{rel['build_number']}" if rel["build_number"] else "")
+
+
+def requires_python(rel):
+    """'>=3.10,<3.14' from ['3.10', ..., '3.13']: the Pythons torch ships this release for."""
+    low, high = rel["python"][0], rel["python"][-1]
+    major, mnr = map(int, high.split("."))
+    return f">={low},<{major}.{mnr + 1}"
 
 
 def torch_requirement(rel):
@@ -60,31 +80,28 @@ def torch_requirement(rel):
 
 
 def variants(meta):
-    rels = meta["releases"]
-    pythons = {tuple(r["python"]) for r in rels}
-    if len(pythons) > 1:
-        # python is crossed with the zipped releases: every release must take every python.
-        sys.exit("meta/releases.yaml: releases list different pythons; the variants would cross them")
+    rels = {r["torch"]: r for r in meta["releases"]}
+    matrix = pairs(meta)
     tc = meta["toolchain"]
     doc = {
         "cxx_compiler": [tc["cxx_compiler"]],
         "cxx_compiler_version": [tc["cxx_compiler_version"]],
         "c_stdlib": [tc["c_stdlib"]],
         "c_stdlib_version": [tc["c_stdlib_version"]],
-        "python": list(rels[0]["python"]),
-        # One entry per release, zipped: each PyTorch release with its own pins.
-        "pytorch": [r["torch"] for r in rels],
-        "oneccl_devel": [r["oneccl"] for r in rels],
-        "impi_rt": [r["impi_rt"] for r in rels],
-        "hwloc": [r["hwloc"] for r in rels],
-        "oneccl_bind_pt_build": [r["build_number"] for r in rels],
-        "zip_keys": [["pytorch", "oneccl_devel", "impi_rt", "hwloc", "oneccl_bind_pt_build"]],
+        # One entry per (python, torch) pair, zipped: releases support different Pythons,
+        # so python is zipped with each release's pins rather than crossed with them.
+        "python": [p for _, p in matrix],
+        "pytorch": [t for t, _ in matrix],
+        "oneccl_devel": [rels[t]["oneccl"] for t, _ in matrix],
+        "impi_rt": [rels[t]["impi_rt"] for t, _ in matrix],
+        "hwloc": [rels[t]["hwloc"] for t, _ in matrix],
+        "oneccl_bind_pt_build": [rels[t]["build_number"] for t, _ in matrix],
+        "zip_keys": [["python", "pytorch", "oneccl_devel", "impi_rt", "hwloc", "oneccl_bind_pt_build"]],
     }
     return HEADER + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
 
 
-def environment(meta, rel):
-    python = rel["python"][-1]
+def environment(meta, rel, python):
     deps = [
         f"python={python}",
         f"pytorch={rel['torch']}={rel['flavour']}*",
@@ -93,7 +110,7 @@ def environment(meta, rel):
         f"hwloc={rel['hwloc']}",
     ]
     doc = {
-        "name": f"oneccl-bind-pt-torch{rel['torch']}",
+        "name": f"oneccl-bind-pt-torch{rel['torch']}-py{python}",
         "channels": list(meta["channels"]),
         "dependencies": deps,
     }
@@ -102,13 +119,15 @@ def environment(meta, rel):
 
 VERSION_PY = '''"""The supported releases: one oneccl_bind_pt release per PyTorch minor, keyed by it.
 
-setup.py builds the row of the installed torch (its version, the pins its wheel declares)
-and records the row it chose in _build_info.py, which it writes into the build.
+setup.py builds the row of the installed torch (its version, the pins its wheel declares,
+the Pythons it supports) and records the row it chose in _build_info.py, which it writes
+into the build.
 """
 
 RELEASES = {
 %(rows)s}
 DEFAULT = "%(default)s"
+DEFAULT_PYTHON = "%(default_python)s"
 
 
 def release_for(torch_version):
@@ -131,11 +150,13 @@ TCMLIB_VERSION = RELEASES[_BUILT]["tcmlib"]
 def version_py(meta, default):
     def row(r):
         fields = {"version": package_version(r), "torch": r["torch"], "torch_requirement": torch_requirement(r),
+                  "python": r["python"], "requires_python": requires_python(r),
                   "oneccl": r["oneccl"], "impi_rt": r["impi_rt"], "tcmlib": r["tcmlib"]}
-        return f'    "{minor(r["torch"])}": {{\n' + "".join(f'        "{k}": "{v}",\n' for k, v in fields.items()) + "    },\n"
+        return (f'    "{minor(r["torch"])}": {{\n'
+                + "".join(f'        "{k}": {v!r},\n'.replace("'", '"') for k, v in fields.items()) + "    },\n")
 
     return HEADER + VERSION_PY % {"rows": "".join(row(r) for r in meta["releases"]),
-                                  "default": minor(default["torch"])}
+                                  "default": minor(default["torch"]), "default_python": meta["default_python"]}
 
 
 def requirements(meta, rel):
@@ -160,24 +181,19 @@ def default_requirements(default):
             f"-r requirements/torch-{default['torch']}.txt\n")
 
 
-def repin(text, name, version):
-    """Replace `"name==x"` / `name==x` pins, keeping everything else."""
-    new, n = re.subn(rf'(?m)^(\s*"?){re.escape(name)}==[^"\s,]+', rf"\g<1>{name}=={version}", text)
-    if n == 0:
-        sys.exit(f"no {name}== pin found to update")
-    return new
-
-
-def pinned(path, rel):
-    text = path.read_text()
-    text = repin(text, "torch", rel["torch"])
-    return repin(text, "oneccl-devel", rel["oneccl"])
-
-
 def release_table(meta):
-    """README.md's compatibility table: every release and how it was checked."""
-    rows = ["| oneccl_bind_pt | torch | oneCCL | Intel MPI runtime | hwloc | Python | how it was checked |",
-            "|---|---|---|---|---|---|---|"]
+    """README.md's tables: which oneccl_bind_pt to install for each torch and Python, then
+    every release's pins and how it was checked."""
+    pythons = sorted({p for r in meta["releases"] for p in r["python"]}, key=lambda v: tuple(map(int, v.split("."))))
+    ci = {(e["torch"], e["python"]) for e in meta.get("ci", [])} | {(meta["default"], meta["default_python"])}
+    rows = ["| torch | " + " | ".join(f"Python {p}" for p in pythons) + " |",
+            "|---|" + "---|" * len(pythons)]
+    for r in meta["releases"]:
+        cells = [(f"{package_version(r)}" + (" (CI)" if (r["torch"], p) in ci else "")) if p in r["python"] else "-"
+                 for p in pythons]
+        rows.append(f"| {minor(r['torch'])}.x | " + " | ".join(cells) + " |")
+    rows += ["", "| oneccl_bind_pt | torch | oneCCL | Intel MPI runtime | hwloc | Python | how it was checked |",
+             "|---|---|---|---|---|---|---|"]
     for r in meta["releases"]:
         rows.append(
             f"| {package_version(r)} (pip), {r['torch']} `{r['flavour']}_*` (conda) "
@@ -201,11 +217,11 @@ def outputs(root=ROOT):
     files = {
         root / "recipe" / "conda_build_config.yaml": variants(meta),
         root / "oneccl_bind_pt" / "_version.py": version_py(meta, default),
-        root / "pyproject.toml": pinned(root / "pyproject.toml", default),
         root / "requirements.txt": default_requirements(default),
     }
     for r in meta["releases"]:
-        files[root / "environments" / f"torch-{r['torch']}" / "environment.yml"] = environment(meta, r)
+        for python in r["python"]:
+            files[root / "environments" / f"torch-{r['torch']}-py{python}.yml"] = environment(meta, r, python)
         files[root / "requirements" / f"torch-{r['torch']}.txt"] = requirements(meta, r)
     if (root / "README.md").exists() and (text := readme(root / "README.md", meta)) is not None:
         files[root / "README.md"] = text
@@ -214,7 +230,8 @@ def outputs(root=ROOT):
 
 def obsolete(files, root=ROOT):
     """Per-release files of a release the matrix no longer lists."""
-    found = [*root.glob("environments/torch-*/environment.yml"), *root.glob("requirements/torch-*.txt")]
+    found = [*root.glob("environments/torch-*/environment.yml"), *root.glob("environments/torch-*.yml"),
+             *root.glob("requirements/torch-*.txt")]
     return sorted(p for p in found if p not in files)
 
 
@@ -236,8 +253,11 @@ def main():
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(files[p])
         print("wrote", p.relative_to(ROOT))
+    root_env = ROOT / "environments"
     for p in gone:
         p.unlink()
+        if p.parent != root_env and not any(p.parent.iterdir()):
+            p.parent.rmdir()
         print("removed", p.relative_to(ROOT))
     return 0
 

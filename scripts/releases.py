@@ -1,17 +1,24 @@
-"""The releases and their venvs, for the scripts that work on several releases
-(build_wheels.py, check_wheel.py, test_release.py).
+"""The (torch, Python) pairs and their venvs, for the scripts that work on several of them
+(setup.sh, build_wheels.py, check_wheel.py, test_release.py).
+
+    python3 scripts/releases.py resolve --torch 2.14.1 --python 3.12   # what setup.sh runs
 
 Standard library only: it runs before any venv exists. The table is the generated
-oneccl_bind_pt/_version.py (from meta/releases.yaml); each release's venv is the one
-scripts/setup.sh makes: .venv for the default release, .venv-torch<version> for the others.
+oneccl_bind_pt/_version.py (from meta/releases.yaml). Each pair's development venv is the
+one scripts/setup.sh makes: .venv for the default pair, .venv-torch<t> for another release on
+the default Python, .venv-torch<t>-py<p> otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import runpy
+import shlex
+import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,14 +26,54 @@ ROOT = Path(__file__).resolve().parent.parent
 TABLE = runpy.run_path(str(ROOT / "oneccl_bind_pt" / "_version.py"))
 ROWS = {row["torch"]: row for row in TABLE["RELEASES"].values()}
 DEFAULT = TABLE["RELEASES"][TABLE["DEFAULT"]]["torch"]
+DEFAULT_PYTHON = TABLE["DEFAULT_PYTHON"]
+PAIRS = [(torch, python) for torch, row in ROWS.items() for python in row["python"]]
 
 
-def venv(torch: str) -> Path:
-    return ROOT / (".venv" if torch == DEFAULT else f".venv-torch{torch}")
+def venv(torch: str = DEFAULT, python: str = DEFAULT_PYTHON) -> Path:
+    if python == DEFAULT_PYTHON:
+        return ROOT / (".venv" if torch == DEFAULT else f".venv-torch{torch}")
+    return ROOT / f".venv-torch{torch}-py{python}"
 
 
 def requirements(torch: str) -> Path:
     return ROOT / "requirements" / f"torch-{torch}.txt"
+
+
+def unsupported(torch: str, python: str) -> str | None:
+    """Why the pair cannot be set up (with every supported pair), or None."""
+    if (torch, python) in PAIRS:
+        return None
+    listed = "\n".join(f"  torch {t}: Python {', '.join(r['python'])}" for t, r in ROWS.items())
+    what = f"torch {torch}" if torch not in ROWS else f"torch {torch} on Python {python}"
+    return f"{what} is not supported. Supported pairs (meta/releases.yaml):\n{listed}"
+
+
+def _version_of(exe: str) -> str | None:
+    try:
+        out = subprocess.run([exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def find_python(python: str) -> str:
+    """An interpreter of this X.Y that runs: $PYTHON, pythonX.Y on PATH (a pyenv shim of a
+    version pyenv has not selected fails, so each is run), then pyenv's versions. Stops with
+    how to get one."""
+    candidates = [os.environ.get("PYTHON"), shutil.which(f"python{python}")]
+    if python == f"{sys.version_info[0]}.{sys.version_info[1]}":
+        candidates.append(sys.executable)
+    pyenv = os.environ.get("PYENV_ROOT") or str(Path.home() / ".pyenv")
+    candidates += sorted(glob.glob(f"{pyenv}/versions/{python}.*/bin/python{python}"), reverse=True)
+    for exe in filter(None, candidates):
+        if _version_of(exe) == python:
+            return exe
+    sys.exit(f"setup: no Python {python} interpreter found (tried $PYTHON, python{python} on PATH, "
+             f"{pyenv}/versions/{python}.*). Install one (e.g. `pyenv install {python}`, or "
+             f"`apt-get install python{python}-venv` where the distribution has it) or set PYTHON "
+             "to its path.")
 
 
 def pip_env(torch: str, env: dict | None = None) -> dict:
@@ -38,25 +85,71 @@ def pip_env(torch: str, env: dict | None = None) -> dict:
     return env
 
 
-def setup(torch: str) -> float:
-    """scripts/setup.sh --torch <torch>: creates or reuses the release's venv, builds and installs
-    the package there. Returns the seconds it took."""
+def setup(torch: str, python: str = DEFAULT_PYTHON) -> float:
+    """scripts/setup.sh --torch <torch> --python <python>: creates or reuses the pair's venv,
+    builds and installs the package there. Returns the seconds it took."""
     start = time.monotonic()
-    subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--torch", torch], cwd=ROOT, check=True)
+    subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--torch", torch, "--python", python],
+                   cwd=ROOT, check=True)
     return time.monotonic() - start
 
 
-def add_torch_option(ap: argparse.ArgumentParser, every: bool) -> None:
-    """--torch <version>, once (`every`: repeatable, default all releases; else default: the default release)."""
+def add_pair_options(ap: argparse.ArgumentParser, every: bool) -> None:
+    """--torch / --python. every: repeatable, selecting pairs (default: all of them); else one
+    pair (default: the default pair)."""
     if every:
-        ap.add_argument("--torch", action="append", choices=list(ROWS), metavar="VERSION",
-                        help=f"a release to work on (repeatable; default: all of {', '.join(ROWS)})")
+        ap.add_argument("--torch", action="append", metavar="VERSION",
+                        help=f"only pairs of this release (repeatable; releases: {', '.join(ROWS)})")
+        ap.add_argument("--python", action="append", metavar="X.Y",
+                        help="only pairs of this Python (repeatable)")
     else:
-        ap.add_argument("--torch", default=DEFAULT, choices=list(ROWS), metavar="VERSION",
+        ap.add_argument("--torch", default=DEFAULT, metavar="VERSION",
                         help=f"the release (one of {', '.join(ROWS)}; default: {DEFAULT})")
+        ap.add_argument("--python", default=DEFAULT_PYTHON, metavar="X.Y",
+                        help=f"the Python (default: {DEFAULT_PYTHON})")
+
+
+def selected_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The pairs --torch / --python select (every: repeatable options); exits 2 on none."""
+    torches = args.torch if isinstance(args.torch, list) else [args.torch] if args.torch else None
+    pythons = args.python if isinstance(args.python, list) else [args.python] if args.python else None
+    for t in torches or []:
+        if t not in ROWS:
+            print(unsupported(t, DEFAULT_PYTHON), file=sys.stderr)
+            sys.exit(2)
+    chosen = [(t, p) for t, p in PAIRS if (not torches or t in torches) and (not pythons or p in pythons)]
+    if not chosen:
+        print(unsupported(",".join(torches or ["any"]), ",".join(pythons or ["any"])), file=sys.stderr)
+        sys.exit(2)
+    return chosen
 
 
 def dir_mib(path: Path) -> float:
     """Bytes on disk below a folder, in MiB (hard links counted once, symlinks not followed)."""
     out = subprocess.run(["du", "-sk", str(path)], capture_output=True, text=True, check=True).stdout
     return int(out.split()[0]) / 1024
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    resolve = sub.add_parser("resolve", help="print shell assignments for a pair (scripts/setup.sh)")
+    resolve.add_argument("--torch", default=DEFAULT)
+    resolve.add_argument("--python", default=DEFAULT_PYTHON)
+    sub.add_parser("pairs", help="list the supported pairs")
+    args = ap.parse_args()
+    if args.command == "pairs":
+        print("\n".join(f"{t} {p}" for t, p in PAIRS))
+        return 0
+    if why := unsupported(args.torch, args.python):
+        print(f"setup: {why}", file=sys.stderr)
+        return 2
+    values = {"torch": args.torch, "python": args.python, "interpreter": find_python(args.python),
+              "venv": str(venv(args.torch, args.python).relative_to(ROOT)),
+              "reqs": str(requirements(args.torch).relative_to(ROOT))}
+    print("\n".join(f"{k}={shlex.quote(v)}" for k, v in values.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -143,31 +143,59 @@ def test_setvars_refuses_to_run_and_documents_itself():
         assert var in helptext
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _build_ext(tmp_path, env):
+    """setup.py build_ext into tmp_path: its checks run before anything compiles."""
+    return subprocess.run([sys.executable, "setup.py", "build_ext", "-b", str(tmp_path / "lib"), "-t", str(tmp_path / "tmp")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+
+
 def test_build_names_a_missing_oneccl_and_how_to_get_it(tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, capture_output=True, text=True,
-                          env={**os.environ, "CCL_ROOT": str(tmp_path)})
+    proc = _build_ext(tmp_path, {"CCL_ROOT": str(tmp_path)})
     assert proc.returncode != 0
     for needle in ("oneCCL not found under", str(tmp_path), "libccl.a", f"pip install oneccl-devel=={ROW['oneccl']}"):
         assert needle in proc.stderr, proc.stderr
 
 
-def _setup_py_with_torch(version, tmp_path):
+def test_metadata_and_sdist_need_neither_torch_nor_oneccl(tmp_path):
+    """An sdist per release is made on any machine: metadata comes from the release table."""
+    for row in [ROW, *OTHER_ROWS]:
+        env = {**os.environ, "ONECCL_BIND_PT_RELEASE": row["torch"], "CCL_ROOT": str(tmp_path),
+               "PYTHONPATH": str(tmp_path)}
+        out = subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT, capture_output=True, text=True,
+                             env=env, timeout=120)
+        assert out.returncode == 0 and out.stdout.split()[-1] == row["version"], out.stdout + out.stderr
+
+
+def _fake_torch(version, tmp_path):
+    """A torch that only has metadata (setup.py reads the installed torch's version from it)."""
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text(f"__version__ = {version!r}\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    info = tmp_path / f"torch-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+    return {"PYTHONPATH": str(tmp_path)}
 
 
 def test_build_refuses_a_torch_no_release_pairs_with(tmp_path):
-    """setup.py names the supported releases and the pip command before compiling anything."""
-    proc = _setup_py_with_torch("2.12.1+cpu", tmp_path)
+    """setup.py names the supported pairs and the pip command before compiling anything."""
+    proc = _build_ext(tmp_path, _fake_torch("2.12.1+cpu", tmp_path))
     assert proc.returncode != 0
     default = oneccl_bind_pt._version.RELEASES[oneccl_bind_pt._version.DEFAULT]
     for needle in ["torch 2.12.1+cpu is installed", f"pip install torch=={default['torch']}",
-                   *(f"{r['torch_requirement']} -> oneccl_bind_pt {r['version']}" for r in OTHER_ROWS + [ROW])]:
+                   *(f"torch {r['torch']} on Python {', '.join(r['python'])} -> oneccl_bind_pt {r['version']}"
+                     for r in OTHER_ROWS + [ROW])]:
         assert needle in proc.stderr, proc.stderr
+
+
+def test_build_of_another_release_without_its_torch_names_the_pair_to_install(tmp_path):
+    row = OTHER_ROWS[0]
+    proc = _build_ext(tmp_path, {"ONECCL_BIND_PT_RELEASE": row["torch"]})
+    assert proc.returncode != 0
+    assert f"builds against torch {row['torch']}" in proc.stderr, proc.stderr
+    assert f"pip install torch=={row['torch']} oneccl-devel=={row['oneccl']}" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("row", [r for r in OTHER_ROWS + [ROW] if not r["torch"].endswith(".0")],
@@ -175,7 +203,7 @@ def test_build_refuses_a_torch_no_release_pairs_with(tmp_path):
 def test_build_refuses_an_older_patch_than_its_release_and_names_that_release(row, tmp_path):
     """Its wheel would require torch>=X.Y.Z: the torch it was built with would not satisfy it."""
     major, minor, patch = row["torch"].split(".")
-    proc = _setup_py_with_torch(f"{major}.{minor}.{int(patch) - 1}", tmp_path)
+    proc = _build_ext(tmp_path, _fake_torch(f"{major}.{minor}.{int(patch) - 1}", tmp_path))
     assert proc.returncode != 0
     assert f"pip install torch=={row['torch']}" in proc.stderr, proc.stderr
 

@@ -1,5 +1,5 @@
 """meta/releases.yaml is the single source of versions: generated files must match it,
-every release gets its files, and the recipe renders one conda package per release."""
+every (torch, Python) pair gets its files, and the recipe renders one conda package per pair."""
 
 import shutil
 import subprocess
@@ -16,6 +16,7 @@ import releases  # noqa: E402
 
 META = yaml.safe_load((ROOT / "meta" / "releases.yaml").read_text())
 RELEASES = META["releases"]
+PAIRS = [(r["torch"], p) for r in RELEASES for p in r["python"]]
 README_WITH_TABLE = f"# x\n\nbefore\n\n{gen.TABLE_BEGIN}\nold table\n{gen.TABLE_END}\n\nafter\n"
 
 
@@ -67,14 +68,18 @@ def test_generated_files_are_current():
 @pytest.mark.parametrize("change, expect", [
     # A pin of one release: its files and the shared ones, nothing of the other releases.
     (lambda m: release(m, OTHER).update(impi_rt="2021.99.9"),
-     SHARED | {f"environments/torch-{OTHER}/environment.yml", f"requirements/torch-{OTHER}.txt"}),
-    # The default release's oneCCL: also pyproject.toml's build pin (requirements.txt includes its set).
+     SHARED | {f"environments/torch-{OTHER}-py{p}.yml" for p in release(META, OTHER)["python"]}
+     | {f"requirements/torch-{OTHER}.txt"}),
+    # The default release's oneCCL (requirements.txt includes its set).
     (lambda m: release(m, DEFAULT).update(oneccl="2022.9.9"),
-     SHARED | {"pyproject.toml", f"requirements/torch-{DEFAULT}.txt"}),
+     SHARED | {f"requirements/torch-{DEFAULT}.txt"}),
+    # A Python added to a release: its environment file and the shared files.
+    (lambda m: release(m, OTHER)["python"].append("3.14"),
+     SHARED | {f"environments/torch-{OTHER}-py3.14.yml"}),
     # A tool pin every release's set holds.
     (lambda m: m["pip"]["test"]["pins"].__setitem__(1, "pytest==9.9.9"),
      {f"requirements/torch-{r['torch']}.txt" for r in RELEASES}),
-], ids=["one-release", "default-release", "tool"])
+], ids=["one-release", "default-release", "python", "tool"])
 def test_check_names_exactly_the_stale_files_after_a_pin_changes(tree, change, expect):
     """Proves the check above can fail, and for the right files."""
     edit_meta(tree, change)
@@ -89,12 +94,13 @@ def test_adding_a_release_is_one_edit_and_one_command(tree):
     edit_meta(tree, lambda m: m["releases"].append({**m["releases"][-1], "torch": "2.99.0"}))
     r = run_gen(tree, "--check")
     assert r.returncode == 1
-    assert stale_in(r.stdout) == SHARED | {"environments/torch-2.99.0/environment.yml",
-                                           "requirements/torch-2.99.0.txt"}, r.stdout
+    pythons = META["releases"][-1]["python"]
+    assert stale_in(r.stdout) == SHARED | {f"environments/torch-2.99.0-py{p}.yml" for p in pythons} | {
+        "requirements/torch-2.99.0.txt"}, r.stdout
     assert run_gen(tree).returncode == 0
     assert "torch==2.99.0" in (tree / "requirements" / "torch-2.99.0.txt").read_text()
     assert '"2.99": {' in (tree / "oneccl_bind_pt" / "_version.py").read_text()
-    assert "| 2.99.0+cpu (pip)" in (tree / "README.md").read_text()
+    assert "| 2.99.0 (pip)" in (tree / "README.md").read_text()
     assert run_gen(tree, "--check").returncode == 0
 
     # Dropping it again: its files are named, then removed.
@@ -103,28 +109,41 @@ def test_adding_a_release_is_one_edit_and_one_command(tree):
     assert "requirements/torch-2.99.0.txt (no such release)" in r.stdout, r.stdout
     assert run_gen(tree).returncode == 0
     assert not (tree / "requirements" / "torch-2.99.0.txt").exists()
-    assert not (tree / "environments" / "torch-2.99.0" / "environment.yml").exists()
+    assert not list((tree / "environments").glob("torch-2.99.0-*"))
 
 
-def test_every_release_has_its_files():
+def test_every_pair_has_its_files():
     variants = yaml.safe_load((ROOT / "recipe" / "conda_build_config.yaml").read_text())
-    assert variants["pytorch"] == [r["torch"] for r in RELEASES]
-    assert variants["oneccl_devel"] == [r["oneccl"] for r in RELEASES]
+    assert list(zip(variants["pytorch"], variants["python"])) == PAIRS
+    rel_of = {r["torch"]: r for r in RELEASES}
+    assert variants["oneccl_devel"] == [rel_of[t]["oneccl"] for t, _ in PAIRS]
+    assert "python" in variants["zip_keys"][0] and "pytorch" in variants["zip_keys"][0]
     table = releases.TABLE["RELEASES"]
     assert [row["torch"] for row in table.values()] == [r["torch"] for r in RELEASES]
-    assert releases.DEFAULT == META["default"]
-    for rel in RELEASES:
-        torch = rel["torch"]
-        env = yaml.safe_load((ROOT / "environments" / f"torch-{torch}" / "environment.yml").read_text())
+    assert releases.DEFAULT == META["default"] and releases.DEFAULT_PYTHON == META["default_python"]
+    assert releases.PAIRS == PAIRS
+    for torch, python in PAIRS:
+        rel = rel_of[torch]
+        env = yaml.safe_load((ROOT / "environments" / f"torch-{torch}-py{python}.yml").read_text())
         assert env["channels"] == META["channels"]
+        assert f"python={python}" in env["dependencies"]
         assert f"pytorch={torch}={rel['flavour']}*" in env["dependencies"]
         assert f"impi_rt={rel['impi_rt']}" in env["dependencies"]
-        assert any(d.startswith(f"oneccl_bind_pt={torch}=") for d in env["dependencies"])
-
+        assert f"oneccl_bind_pt={torch}={rel['flavour']}_py{python.replace('.', '')}*_{rel['build_number']}" \
+            in env["dependencies"]
+        assert releases.venv(torch, python) == ROOT / (
+            ".venv" if (torch, python) == (DEFAULT, META["default_python"])
+            else f".venv-torch{torch}" if python == META["default_python"] else f".venv-torch{torch}-py{python}")
+    for rel in RELEASES:
+        torch = rel["torch"]
         major, minor = map(int, torch.split(".")[:2])
         row = releases.TABLE["release_for"](f"{torch}+whatever")
-        assert row["version"] == f"{torch}+{rel['flavour']}"
+        # PyPI refuses local versions (+cpu): the plain torch version, .postN for a rebuild.
+        assert row["version"] == torch + (f".post{rel['build_number']}" if rel["build_number"] else "")
         assert row["torch_requirement"] == f"torch>={torch},<{major}.{minor + 1}"
+        assert row["python"] == rel["python"]
+        low, high = rel["python"][0], rel["python"][-1]
+        assert row["requires_python"] == f">={low},<{high.split('.')[0]}.{int(high.split('.')[1]) + 1}"
 
         reqs = releases.requirements(torch).read_text().splitlines()
         for pin in (f"torch=={torch}", f"oneccl-devel=={rel['oneccl']}", f"impi-rt=={rel['impi_rt']}",
@@ -136,9 +155,19 @@ def test_every_release_has_its_files():
         heavy = {line.split("==")[0] for line in reqs} & only_default
         assert heavy == (only_default if torch == DEFAULT else set())
         assert ("PIP_CONSTRAINT" in releases.pip_env(torch, {})) == bool(rel.get("lift_pip_constraint")), torch
-        assert releases.venv(torch) == ROOT / (".venv" if torch == DEFAULT else f".venv-torch{torch}")
     assert (ROOT / "requirements.txt").read_text().splitlines()[-1] == f"-r requirements/torch-{DEFAULT}.txt"
-    assert f'"torch=={DEFAULT}"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_a_pin_that_differs_by_python_resolves_for_every_python_of_the_matrix():
+    """Every pinned requirement applies, by its marker, to exactly one version per Python."""
+    from packaging.requirements import Requirement
+
+    for rel in RELEASES:
+        reqs = [Requirement(line) for line in releases.requirements(rel["torch"]).read_text().splitlines()
+                if line and not line.startswith("#")]
+        for python in rel["python"]:
+            names = [r.name for r in reqs if r.marker is None or r.marker.evaluate({"python_version": python})]
+            assert len(names) == len(set(names)), (rel["torch"], python, names)
 
 
 def test_release_for_takes_any_patch_and_local_tag_of_a_minor():
@@ -150,15 +179,24 @@ def test_release_for_takes_any_patch_and_local_tag_of_a_minor():
     assert release_for("2.12.1+cpu") is None and release_for("3.0.0") is None
 
 
-def test_readme_table_lists_every_release_and_how_it_was_checked():
-    table = gen.release_table(META).splitlines()
-    assert len(table) == 2 + len(RELEASES)
-    for rel, row in zip(RELEASES, table[2:]):
-        assert row.startswith(f"| {rel['torch']}+{rel['flavour']} (pip)"), row
+def test_readme_tables_list_every_pair_and_how_each_release_was_checked():
+    matrix, pins = gen.release_table(META).split("\n\n")
+    matrix, pins = matrix.splitlines(), pins.splitlines()
+    pythons = sorted({p for _, p in PAIRS})
+    assert matrix[0] == "| torch | " + " | ".join(f"Python {p}" for p in pythons) + " |"
+    ci = {(e["torch"], e["python"]) for e in META["ci"]} | {(DEFAULT, META["default_python"])}
+    for rel, row in zip(RELEASES, matrix[2:]):
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        for python, cell in zip(pythons, cells):
+            want = "-" if python not in rel["python"] else rel["torch"] + (" (CI)" if (rel["torch"], python) in ci else "")
+            assert cell == want, (rel["torch"], python, row)
+    assert len(pins) == 2 + len(RELEASES)
+    for rel, row in zip(RELEASES, pins[2:]):
+        assert row.startswith(f"| {rel['torch']} (pip)"), row
         assert " ".join(rel["checked"].split()) in row
 
 
-def test_recipe_renders_one_package_per_release_with_its_pins():
+def test_recipe_renders_one_package_per_pair_with_its_pins():
     rattler_build = pytest.importorskip("rattler_build")
     from rattler_build.render import RenderConfig
     from rattler_build.tool_config import PlatformConfig
@@ -166,13 +204,14 @@ def test_recipe_renders_one_package_per_release_with_its_pins():
     rendered = rattler_build.Stage0Recipe.from_file(str(ROOT / "recipe" / "recipe.yaml")).render(
         rattler_build.VariantConfig.from_file(str(ROOT / "recipe" / "conda_build_config.yaml")),
         RenderConfig(platform=PlatformConfig(target_platform="linux-64")))
-    by_torch = {v.variant["pytorch"]: v.recipe for v in rendered}
-    assert sorted(by_torch) == sorted(r["torch"] for r in RELEASES) and len(rendered) == len(RELEASES)
-    for rel in RELEASES:
-        recipe = by_torch[rel["torch"]]
+    by_pair = {(v.variant["pytorch"], v.variant["python"]): v.recipe for v in rendered}
+    assert sorted(by_pair) == sorted(PAIRS) and len(rendered) == len(PAIRS)
+    rel_of = {r["torch"]: r for r in RELEASES}
+    for (torch, python), recipe in by_pair.items():
+        rel = rel_of[torch]
         assert recipe.package.name == "oneccl_bind_pt"
         assert str(recipe.package.version) == rel["torch"]
-        assert recipe.build.string.startswith(f"{rel['flavour']}_py311h")
+        assert recipe.build.string.startswith(f"{rel['flavour']}_py{python.replace('.', '')}h")
         assert recipe.build.string.endswith(f"_{rel['build_number']}")
         host = recipe.requirements.host
         for pin in (f"pytorch {rel['torch']}.*", f"oneccl-devel {rel['oneccl']}.*", f"hwloc {rel['hwloc']}.*"):

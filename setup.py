@@ -194,6 +194,16 @@ class BuildExt(build_ext):
                 sys.exit(f"{path} leaves oneCCL symbols undefined (import would fail): {bad}")
 
 
+# References bound to symbol versions newer than manylinux_2_28 (glibc 2.28, GCC 8's
+# libstdc++) when linking on a newer system: src/glibc_compat.cpp defines a __wrap_ for each,
+# calling the old version. scripts/build_wheels.py reports any other symbol that pins the tag.
+WRAPPED = [
+    "pthread_create", "pthread_join", "pthread_once", "pthread_barrier_init", "pthread_barrier_wait",
+    "pthread_setaffinity_np", "pthread_getaffinity_np", "pthread_attr_setaffinity_np", "__pthread_key_create",
+    "dlopen", "dlsym", "dlclose", "dlerror", "dladdr", "dlinfo", "log2", "fstat", "pthread_cond_clockwait",
+    "__libc_single_threaded", "_ZNSt18condition_variable4waitERSt11unique_lockISt5mutexE",
+]
+
 ext = Extension(
     name="oneccl_bind_pt._C",
     language="c++",
@@ -210,6 +220,7 @@ ext = Extension(
         "-l:libhwloc.so.15",
         "-ldl",
         "-lrt",
+        *(f"-Wl,--wrap={symbol}" for symbol in WRAPPED),
         # site-packages/oneccl_bind_pt -> <prefix>/lib: hwloc (tcmlib) and libfabric (impi-rt).
         "-Wl,-rpath,$ORIGIN/../../..",
     ],

@@ -183,6 +183,9 @@ class BuildExt(build_ext):
             if ccl_root != Path(sys.prefix):
                 ext.extra_link_args += [f"-Wl,-rpath,{lib}"]
         self.compiler.compile = ninja_compile(self.compiler, Path(self.build_temp) / "ninja")
+        # Always link (a second): ninja already skips up-to-date objects, and setuptools' own
+        # check would keep a library linked with other flags.
+        self.force = True
         super().build_extensions()
         # A declared-but-undefined oneCCL symbol links fine and fails at import.
         for ext in self.extensions:
@@ -218,7 +221,9 @@ ext = Extension(
         # Keep oneCCL's symbols private to the extension.
         "-Wl,--exclude-libs,ALL",
         "-l:libhwloc.so.15",
-        "-ldl",
+        # Recorded as needed even where glibc >= 2.34 has these in libc: glibc 2.28 defines the
+        # old versions the wrappers below bind to in libpthread and libdl.
+        "-Wl,--push-state,--no-as-needed", "-lpthread", "-ldl", "-Wl,--pop-state",
         "-lrt",
         *(f"-Wl,--wrap={symbol}" for symbol in WRAPPED),
         # site-packages/oneccl_bind_pt -> <prefix>/lib: hwloc (tcmlib) and libfabric (impi-rt).

@@ -3,8 +3,10 @@
     torchrun --nproc_per_node 2 examples/ddp.py
     mpirun -n 2 python examples/ddp.py
     python examples/ddp.py                      # one process
+    torchrun --nproc_per_node 2 examples/ddp.py --backend gloo   # the same training on gloo
 """
 
+import argparse
 import os
 
 import torch
@@ -44,9 +46,12 @@ def main():
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-    dist.init_process_group("ccl")
+    ap = argparse.ArgumentParser(description="DDP training on 2 ranks")
+    ap.add_argument("--backend", default="ccl", help="process group backend (default: ccl)")
+    backend = ap.parse_args().backend
+    dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    print(f"rank {rank} of {world}: ccl process group ready", flush=True)
+    print(f"rank {rank} of {world}: {backend} process group ready", flush=True)
     train(rank, world)
     dist.destroy_process_group()
 

@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
-"""Prove a built wheel installs and trains where only its torch is: no compiler, no oneCCL.
+"""Prove each built wheel installs and trains where only its torch is: no compiler, no oneCCL.
 
-    python scripts/check_wheel.py                    # every release's wheel in dist/
-    python scripts/check_wheel.py --torch 2.14.1     # one (repeatable)
+    python scripts/check_wheel.py                                 # every pair's wheel in dist/
+    python scripts/check_wheel.py --torch 2.14.1 --python 3.12    # a selection (both repeatable)
 
-For each release: a fresh venv (in a temporary folder) gets `pip install torch==<version>`
-and nothing else; then `pip install dist/oneccl_bind_pt-<version>+cpu-*.whl` runs with
-CC=/bin/false CXX=/bin/false (a build step would fail) and must bring its runtime
-(impi-rt: mpirun + libfabric; tcmlib: hwloc) as declared requirements, without
-oneccl-devel. Then, from outside the checkout, examples/ddp.py trains on 2 ranks under
-`torchrun --nproc_per_node 2` and under `mpirun -n 2` (the venv's, from impi-rt), and all
-four ranks must print the same parameter checksum. Reports sizes and times
-(--json); the venv is removed unless --keep.
+For each (torch, Python) pair: a fresh venv of that Python (in a temporary folder) gets
+`pip install torch==<version>` and nothing else; then the pair's manylinux wheel from
+dist/ is installed with CC=/bin/false CXX=/bin/false (a build step would fail) and must
+bring its runtime (impi-rt: mpirun + libfabric; tcmlib: hwloc) as declared requirements,
+without oneccl-devel. Then, from outside the checkout, examples/ddp.py trains on 2 ranks
+under `torchrun --nproc_per_node 2` and `mpirun -n 2` (the venv's, from impi-rt), and on
+gloo under torchrun as the reference: all six ranks must print the same parameter
+checksum. On torch >= 2.14, scripts/no_import_ddp.py, which never imports the package,
+trains on "ccl" under torchrun (the entry point) and matches its own gloo run.
+Reports the table (--json, --markdown); the venv is removed unless --keep.
 
 Build the wheels first: python scripts/build_wheels.py
 """
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import releases  # noqa: E402
 
 EXAMPLE = releases.ROOT / "examples" / "ddp.py"
+NO_IMPORT = releases.ROOT / "scripts" / "no_import_ddp.py"
 # No launcher context, oneCCL / MPI / libfabric setting or venv may leak in from here.
 LEAKS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PMI_", "CCL_",
          "I_MPI_", "FI_", "VIRTUAL_ENV", "PYTHONPATH", "LD_LIBRARY_PATH", "CONDA")
@@ -70,9 +73,19 @@ def checksums(out: str) -> dict:
     return dict(re.findall(r"rank (\d+) parameter checksum (-?\d+\.\d{10})", out))
 
 
-def check(torch: str, wheel: Path, venv: Path) -> dict:
+def wheel_for(dist: Path, torch: str, python: str) -> Path:
+    tag = f"cp{python.replace('.', '')}"
+    wheels = sorted(dist.glob(f"oneccl_bind_pt-{releases.ROWS[torch]['version']}-{tag}-{tag}-manylinux_*.whl"))
+    if not wheels:
+        sys.exit(f"no manylinux wheel for torch {torch} / Python {python} in {dist}: "
+                 f"python scripts/build_wheels.py --torch {torch} --python {python}")
+    return wheels[-1]
+
+
+def check(torch: str, python: str, wheel: Path, venv: Path) -> dict:
     row = releases.ROWS[torch]
-    rep = {"torch": torch, "wheel": wheel.name, "wheel_mib": round(wheel.stat().st_size / 2**20, 2)}
+    rep = {"torch": torch, "python": python, "wheel": wheel.name, "tag": wheel.name.rsplit("-", 1)[-1][:-4],
+           "wheel_mib": round(wheel.stat().st_size / 2**20, 2)}
     if venv.exists():
         shutil.rmtree(venv)
     base = {k: v for k, v in os.environ.items() if not k.startswith(LEAKS)}
@@ -81,11 +94,12 @@ def check(torch: str, wheel: Path, venv: Path) -> dict:
     pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
 
     t = time.monotonic()
-    run([sys.executable, "-m", "venv", venv], base, venv.parent)
+    run([releases.find_python(python), "-m", "venv", venv], base, venv.parent)
     run(pip + [f"torch=={torch}"], releases.pip_env(torch, base), venv.parent, timeout=3600)
     rep["torch_venv_s"] = round(time.monotonic() - t, 1)
     rep["torch_venv_mib"] = round(releases.dir_mib(venv))
-    say(f"torch {torch}: fresh venv with torch in {rep['torch_venv_s']} s, {rep['torch_venv_mib']} MiB")
+    say(f"torch {torch} / Python {python}: fresh venv with torch in {rep['torch_venv_s']} s, "
+        f"{rep['torch_venv_mib']} MiB")
 
     # A build step (an sdist, a compiled dependency) would need a compiler: make any fail.
     t = time.monotonic()
@@ -97,61 +111,84 @@ def check(torch: str, wheel: Path, venv: Path) -> dict:
     installed = {p["name"].lower().replace("_", "-"): p["version"] for p in listed}
     rep["added_by_wheel"] = sorted(f"{n}=={v}" for n, v in installed.items()
                                    if n in ("oneccl-bind-pt", "impi-rt", "tcmlib"))
-    if "oneccl-devel" in installed or "oneccl" in installed or list(venv.glob("include/oneapi/ccl.hpp")):
+    if "oneccl-devel" in installed or list(venv.glob("include/oneapi/ccl.hpp")):
         sys.exit(f"oneCCL's development files got into the venv: {sorted(installed)}")
     if installed.get("oneccl-bind-pt") != row["version"]:
         sys.exit(f"expected oneccl_bind_pt {row['version']}, pip lists {installed.get('oneccl-bind-pt')}")
     run([py, "-m", "pip", "check", "--disable-pip-version-check"], base, venv.parent)
-    say(f"torch {torch}: {wheel.name} installed without a compiler in {rep['wheel_install_s']} s: "
-        f"{', '.join(rep['added_by_wheel'])}; venv {rep['venv_mib']} MiB")
+    say(f"torch {torch} / Python {python}: {wheel.name} installed without a compiler in "
+        f"{rep['wheel_install_s']} s: {', '.join(rep['added_by_wheel'])}; venv {rep['venv_mib']} MiB")
 
     # From outside the checkout: the installed package, not the source tree.
     sums = {}
-    for launcher, cmd, extra in (
-        ("torchrun", [venv / "bin" / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), EXAMPLE], {}),
+    torchrun = [venv / "bin" / "torchrun", "--nproc_per_node", "2", "--master_port"]
+    for name, cmd, extra in (
+        ("torchrun", [*torchrun, free_port(), EXAMPLE], {}),
         ("mpirun", [venv / "bin" / "mpirun", "-n", "2", py, EXAMPLE], {"MASTER_PORT": free_port()}),
+        ("gloo", [*torchrun, free_port(), EXAMPLE, "--backend", "gloo"], {}),
     ):
         t = time.monotonic()
         out = run(cmd, {**base, **extra}, venv.parent, timeout=300)
-        rep[f"{launcher}_s"] = round(time.monotonic() - t, 1)
-        sums[launcher] = checksums(out)
-        if sorted(sums[launcher]) != ["0", "1"]:
-            sys.exit(f"{launcher}: expected a checksum from ranks 0 and 1:\n{out[-4000:]}")
-        say(f"torch {torch}: {launcher} DDP: {sums[launcher]} ({rep[f'{launcher}_s']} s)")
-    # Same seed and data under both launchers: one checksum from all four ranks.
+        rep[f"{name}_s"] = round(time.monotonic() - t, 1)
+        sums[name] = checksums(out)
+        if sorted(sums[name]) != ["0", "1"]:
+            sys.exit(f"{name}: expected a checksum from ranks 0 and 1:\n{out[-4000:]}")
+        say(f"torch {torch} / Python {python}: {name} DDP: {sums[name]} ({rep[f'{name}_s']} s)")
+    # Same seed and data under both launchers and on gloo: one checksum from all six ranks.
     values = {v for s in sums.values() for v in s.values()}
     if len(values) != 1:
-        sys.exit(f"ranks disagree: {sums}")
+        sys.exit(f"ranks or backends disagree: {sums}")
     rep["checksum"] = values.pop()
+
+    if releases.version_tuple(torch) >= (2, 14):
+        out = run([*torchrun, free_port(), NO_IMPORT], base, venv.parent, timeout=300)
+        found = re.findall(r"rank (\d) no-import ccl checksum (-?\d+\.\d{10}) gloo checksum (-?\d+\.\d{10})", out)
+        if sorted(r for r, _, _ in found) != ["0", "1"] or any(c != g for _, c, g in found):
+            sys.exit(f"no-import script: expected equal ccl and gloo checksums from 2 ranks:\n{out[-4000:]}")
+        rep["no_import"] = "trained"
+        say(f"torch {torch} / Python {python}: no-import script trained on ccl through the entry point")
+    else:
+        rep["no_import"] = "n/a (torch < 2.14)"
     return rep
+
+
+def markdown(done: list[dict]) -> str:
+    rows = ["| wheel | tag | MiB | install (s) | checksum (torchrun, mpirun, gloo) | no import |",
+            "|---|---|---|---|---|---|"]
+    rows += [f"| {r['wheel']} | {r['tag']} | {r['wheel_mib']} | {r['wheel_install_s']} | {r['checksum']} "
+             f"| {r['no_import']} |" for r in done]
+    return "\n".join(rows) + "\n"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    releases.add_torch_option(ap, every=True)
+    releases.add_pair_options(ap, every=True)
     ap.add_argument("--dist", type=Path, default=releases.ROOT / "dist", help="the wheels (default: %(default)s)")
     ap.add_argument("--work", type=Path, help="where the fresh venvs go (default: a temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the venvs")
     ap.add_argument("--json", type=Path, help="write sizes and times here")
+    ap.add_argument("--markdown", type=Path, help="write the table here")
     args = ap.parse_args()
+    pairs = releases.selected_pairs(args)
     work = (args.work or Path(tempfile.mkdtemp(prefix="obp-wheel-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     done = []
-    for torch in args.torch or list(releases.ROWS):
-        wheels = sorted(args.dist.glob(f"oneccl_bind_pt-{releases.ROWS[torch]['version']}-*.whl"))
-        if not wheels:
-            sys.exit(f"no wheel for torch {torch} in {args.dist}: python scripts/build_wheels.py --torch {torch}")
-        venv = work / f"venv-torch{torch}"
+    for torch, python in pairs:
+        wheel = wheel_for(args.dist, torch, python)
+        venv = work / f"venv-torch{torch}-py{python}"
         try:
-            done.append(check(torch, wheels[-1], venv))
+            done.append(check(torch, python, wheel, venv))
         finally:
             if not args.keep:
                 shutil.rmtree(venv, ignore_errors=True)
-        if args.json:  # after each release: a later failure keeps what was measured
+        if args.json:  # after each pair: a later failure keeps what was measured
             args.json.write_text(json.dumps(done, indent=2))
+        if args.markdown:
+            args.markdown.write_text(markdown(done))
     if not args.keep and not args.work:
         shutil.rmtree(work, ignore_errors=True)
-    say("OK: " + "; ".join(f"{r['wheel']} ({r['wheel_mib']} MiB)" for r in done))
+    print(markdown(done), end="")
+    say(f"OK: {len(done)} wheels trained with equal checksums")
     return 0
 
 

@@ -30,6 +30,11 @@ DEFAULT_PYTHON = TABLE["DEFAULT_PYTHON"]
 PAIRS = [(torch, python) for torch, row in ROWS.items() for python in row["python"]]
 
 
+def version_tuple(version: str) -> tuple:
+    """'2.14.1' -> (2, 14, 1)."""
+    return tuple(int(x) for x in version.split("+")[0].split(".")[:3])
+
+
 def venv(torch: str = DEFAULT, python: str = DEFAULT_PYTHON) -> Path:
     if python == DEFAULT_PYTHON:
         return ROOT / (".venv" if torch == DEFAULT else f".venv-torch{torch}")

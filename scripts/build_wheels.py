@@ -112,7 +112,7 @@ def policies(arch: str = "x86_64") -> dict:
     found = {}
     for p in json.loads(files("auditwheel.policy").joinpath("manylinux-policy.json").read_text()):
         if p["name"].startswith("manylinux_") and arch in p["symbol_versions"]:
-            found[f"{p['name']}_{arch}"] = {k: max(v, key=version_key) for k, v in p["symbol_versions"][arch].items()}
+            found[f"{p['name']}_{arch}"] = {k: max(v, key=version_key) for k, v in p["symbol_versions"][arch].items() if v}
     return dict(sorted(found.items(), key=lambda kv: version_key(kv[0].split("_", 1)[1].replace("_", "."))))
 
 

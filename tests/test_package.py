@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -262,3 +263,17 @@ echo "fresh $FI_PROVIDER_PATH"
     assert out[0] == f"on {tmp_path} {tmp_path} /user/prov"
     assert out[1] == "off unset /user/ccl /user/prov 0"
     assert out[2] == f"fresh {tmp_path}/lib"
+
+
+def test_extension_symbols_fit_manylinux_2_28():
+    """Torch's own tag: no reference to a glibc or libstdc++ symbol version newer than 2.28's
+    (src/glibc_compat.cpp wraps the ones a newer build machine binds to)."""
+    pytest.importorskip("auditwheel")
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import build_wheels
+
+    so = next(Path(oneccl_bind_pt.cwd).glob("_C*.so"))
+    assert build_wheels.pinning_symbols(so, "manylinux_2_28_x86_64") == []
+    needed = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, check=True).stdout
+    # glibc 2.28 defines the old pthread/dl versions the wrappers bind to in these libraries.
+    assert "[libpthread.so.0]" in needed and "[libdl.so.2]" in needed, needed

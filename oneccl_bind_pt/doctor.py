@@ -141,7 +141,8 @@ def main(argv=None) -> int:
           f"{'match' if oneccl_bind_pt._same_minor(torch.__version__, TORCH_BUILT_WITH) else 'MISMATCH'})")
     # One oneccl_bind_pt release per torch minor: which one a user of another torch needs.
     print("releases         " + ", ".join(
-        f"torch {r['torch'].rsplit('.', 1)[0]}.x -> oneccl_bind_pt=={oneccl_bind_pt._public(r['version'])}"
+        f"torch {r['torch'].rsplit('.', 1)[0]}.x -> oneccl_bind_pt=={oneccl_bind_pt._public(r['version'])} "
+        f"(Python {', '.join(r['python'])})"
         for r in oneccl_bind_pt.supported_releases()))
     print(f"oneCCL           built with {_C.ccl_build_version}, running {_C.ccl_runtime_version()}")
     hwloc, fabric = _loaded_library("libhwloc"), _libfabric()

@@ -218,7 +218,7 @@ def test_doctor_selftest_passes_and_flags_problems(tmp_path):
     assert f"(built against {TORCH_BUILT_WITH}: match)" in ok.stdout
     assert "self-test        PASS" in ok.stdout
     for row in [ROW, *OTHER_ROWS]:  # which oneccl_bind_pt goes with which torch
-        assert f"oneccl_bind_pt=={row['version'].split('+')[0]}" in ok.stdout
+        assert f"oneccl_bind_pt=={row['version']} (Python {', '.join(row['python'])})" in ok.stdout
     assert "CCL_WORKER_OFFLOAD=0" in ok.stdout  # the defaults it applied are shown
     # The environment's mpirun exists but no mpirun is on PATH: a problem, with the fix.
     (tmp_path / "nobin").mkdir()

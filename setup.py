@@ -77,7 +77,7 @@ RELEASE, CHOSEN_BY = choose_release()
 
 
 def install_hint():
-    return (f"pip install torch=={RELEASE['torch']} oneccl-devel=={RELEASE['oneccl']} ninja, "
+    return (f"pip install torch=={RELEASE['torch']} oneccl-devel=={RELEASE['oneccl']} ninja 'setuptools>=77' wheel, "
             "then build with --no-build-isolation (or use ./scripts/setup.sh --torch "
             f"{RELEASE['torch']} --python {PYTHON} in a checkout)")
 

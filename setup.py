@@ -143,7 +143,10 @@ def ninja_compile(compiler, build_dir):
         cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
         cxx = getattr(compiler, "compiler_so_cxx", None) or compiler.compiler_so
         esc = lambda p: str(p).replace("$", "$$").replace(" ", "$ ").replace(":", "$:")  # noqa: E731
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # builddir: ninja's log and dependency database go there, not into the checkout.
         lines = ["ninja_required_version = 1.3",
+                 f"builddir = {esc(build_dir.resolve())}",
                  f"flags = {shlex.join([*cxx, *cc_args, *extra_postargs])}",
                  "rule cxx",
                  "  command = $flags -MMD -MF $out.d -c $in -o $out",

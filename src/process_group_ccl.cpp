@@ -93,12 +93,14 @@ const at::Tensor& single(const char* op, const std::vector<at::Tensor>& tensors,
 void check_rank(const char* op, const char* what, int64_t r, int size) {
   CCL_CHECK_ARG(
       r >= 0 && r < size, "ccl ", op, ": invalid ", what, ": ", r,
-      " is out of range for a process group of size ", size, " (expected 0..", size - 1, ")");
+      " is out of range for a process group of size ", size, " (expected 0..", size - 1,
+      "; unexpected rank)");
 }
 
 void check_same_dtype(const char* op, const at::Tensor& t, const at::Tensor& ref, const std::string& what) {
   CCL_CHECK_TYPE(
-      t.scalar_type() == ref.scalar_type(), "ccl ", op, ": ", what, " has dtype ",
+      // "Tensors are not equal in data type": torch-ccl's wording, which its users match on.
+      t.scalar_type() == ref.scalar_type(), "ccl ", op, ": Tensors are not equal in data type: ", what, " has dtype ",
       dtype_name(t.scalar_type()), " but the input has ", dtype_name(ref.scalar_type()),
       "; all tensors of one call must share a dtype");
 }

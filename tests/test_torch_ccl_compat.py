@@ -1,0 +1,77 @@
+"""What code written for Intel's torch-ccl relies on, beyond init_process_group("ccl"):
+a process group built directly, `ProcessGroupCCL(store, rank, size)`, and the wording of its
+errors, which such code (torch-ccl's own test file among it) matches with regexes. Each
+result is compared with gloo's on the same inputs, through gloo's own class.
+"""
+
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+
+
+def _direct(rank, world):
+    """Collectives on groups made by hand, ccl's and gloo's, from one store."""
+    import oneccl_bind_pt
+
+    store = dist.PrefixStore("direct", dist.distributed_c10d._get_default_store())
+    pgs = {"ccl": oneccl_bind_pt.ProcessGroupCCL(dist.PrefixStore("ccl", store), rank, world),
+           "gloo": dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world)}
+    out = {}
+    for name, pg in pgs.items():
+        x = torch.arange(4, dtype=torch.float32) + rank
+        pg.allreduce([x]).wait()
+        b = torch.full((3,), float(rank))
+        opts = dist.BroadcastOptions()
+        opts.rootRank = world - 1
+        pg.broadcast([b], opts).wait()
+        gathered = torch.empty(world * 2)
+        pg._allgather_base(gathered, torch.full((2,), float(rank))).wait()
+        coalesced = [torch.ones(2) * (rank + 1), torch.ones(3) * (rank + 1)]
+        pg.allreduce_coalesced(coalesced).wait()
+        pg.barrier().wait()
+        # Plain lists: tensors would travel through shared memory the exiting rank frees.
+        out[name] = [t.tolist() for t in (x, b, gathered, *coalesced)]
+    return out
+
+
+def test_a_process_group_made_directly_computes_what_gloo_computes():
+    for rank, res in enumerate(run_ranks(_direct, 2)):
+        for ccl, gloo in zip(res["ccl"], res["gloo"]):
+            assert ccl == gloo, (rank, ccl, gloo)
+
+
+def _errors(rank, world):
+    """(type name, message) of each mistake, on ccl and on gloo."""
+    import oneccl_bind_pt
+
+    store = dist.distributed_c10d._get_default_store()
+    pgs = {"ccl": oneccl_bind_pt.ProcessGroupCCL(dist.PrefixStore("ccl", store), rank, world),
+           "gloo": dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world)}
+    seen = {}
+    for name, pg in pgs.items():
+        opts = dist.BroadcastOptions()
+        opts.rootRank = -1
+        cases = {
+            "root -1": lambda: pg.broadcast([torch.zeros(1)], opts).wait(),
+            "dtype": lambda: pg._allgather_base(torch.empty(world, dtype=torch.long),
+                                                torch.zeros(1, dtype=torch.float)).wait(),
+        }
+        for case, call in cases.items():
+            try:
+                call()
+                seen[(name, case)] = None
+            except Exception as e:  # noqa: BLE001 - the test compares what was raised
+                seen[(name, case)] = (type(e), str(e))
+        pg.barrier().wait()  # both groups still work after the mistakes
+    return seen
+
+
+def test_errors_carry_torch_ccl_wording_and_gloo_types():
+    for seen in run_ranks(_errors, 2):
+        for case, phrase in (("root -1", "unexpected rank"), ("dtype", "Tensors are not equal in data type")):
+            ccl, gloo = seen[("ccl", case)], seen[("gloo", case)]
+            assert ccl is not None and gloo is not None, (case, ccl, gloo)
+            # torch-ccl's phrase, ours (the op and what was expected), and a type gloo's error is too.
+            assert phrase in ccl[1] and "ccl " in ccl[1], ccl
+            assert issubclass(ccl[0], gloo[0]), (case, ccl, gloo)

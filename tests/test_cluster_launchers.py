@@ -1,7 +1,7 @@
 """The launchers HPC sites run: Slurm (srun, sbatch), Open MPI and MPICH.
 
 Real launchers from Debian's packages (installed here when missing and the test
-runs as root; skipped with the command to run otherwise) start the DDP example
+runs as root; skipped with the command to run otherwise, failed under CI=true) start the DDP example
 as users do, with nothing exported by hand. Slurm runs as a one-node cluster
 these tests start and tear down (tests/slurm.py).
 """
@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from harness import Lines, communicate, popen, require
 from slurm import SlurmCluster, missing_programs
 from test_launchers import BIN, ROOT, checksums
 
@@ -47,8 +48,7 @@ def _install(what: str) -> str | None:
 
 def needs(what: str):
     why = _install(what)
-    if why:
-        pytest.skip(why)
+    require(not why, why)
 
 
 # Variables a launcher sets per rank: the test process's own must not leak into a job.
@@ -65,8 +65,9 @@ def clean_env(**extra) -> dict:
 
 def launch(cmd, env, timeout=240):
     start = time.monotonic()
-    p = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    return p.returncode, p.stdout + p.stderr, time.monotonic() - start
+    p = popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    (out,) = communicate([p], timeout)
+    return p.returncode, out, time.monotonic() - start
 
 
 # ---- Open MPI and MPICH -------------------------------------------------------------
@@ -99,8 +100,7 @@ def test_mpich_runs_the_ddp_example():
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     needs("slurm")
-    if missing_programs():
-        pytest.skip(f"Slurm's programs not found: {missing_programs()}")
+    require(not missing_programs(), f"Slurm's programs not found: {missing_programs()}")
     start = time.monotonic()
     with SlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
         cluster.setup_seconds = time.monotonic() - start
@@ -131,25 +131,19 @@ def test_a_killed_task_makes_the_other_raise_and_the_job_end(slurm):
 
 def test_scancel_of_a_step_ends_it(slurm):
     script = ("import torch, torch.distributed as dist, oneccl_bind_pt, time\n"
-              "dist.init_process_group('ccl'); print('ready', dist.get_rank(), flush=True)\n"
-              "t = torch.ones(1024)\n"
+              "dist.init_process_group('ccl'); t = torch.ones(1024); dist.all_reduce(t)\n"
+              "print('ready', dist.get_rank(), flush=True)\n"
               "while True: dist.all_reduce(t)\n")
-    srun = subprocess.Popen(["srun", "-n", "2", "--immediate=60", "--job-name=spin", "python", "-P", "-c", script],
-                            cwd=ROOT, env=slurm.env(clean_env()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    srun = popen(["srun", "-n", "2", "--immediate=60", "--job-name=spin", "python", "-P", "-c", script],
+                 cwd=ROOT, env=slurm.env(clean_env()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = Lines(srun)
     try:
-        deadline = time.monotonic() + 120
-        job = ""
-        while time.monotonic() < deadline and not job:
-            job = slurm.run(["squeue", "-h", "-n", "spin", "-o", "%i"], check=False).stdout.strip()
-            time.sleep(0.2)
-        assert job, "the job never appeared"
-        time.sleep(5)  # both tasks inside the loop
+        # Both tasks inside the loop: each printed after a collective with the other.
+        out.wait_for("ready", count=2, timeout=180)
+        job = slurm.run(["squeue", "-h", "-n", "spin", "-o", "%i"]).stdout.strip()
+        assert job, f"squeue does not list the running job:\n{out.text}"
         slurm.run(["scancel", f"{job}.0"])
-        start = time.monotonic()
-        out, _ = srun.communicate(timeout=60)
-        assert time.monotonic() - start < 30
-        assert srun.returncode != 0 and "ready" in out, out
+        text = out.finish(timeout=120)  # the step ends (or this fails, naming what it waited for)
+        assert srun.returncode != 0, text
     finally:
-        if srun.poll() is None:
-            srun.kill()
+        out.close()

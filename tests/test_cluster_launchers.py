@@ -20,7 +20,7 @@ import pytest
 
 from harness import Lines, communicate, popen, require
 from slurm import SlurmCluster, missing_programs
-from test_launchers import BIN, ROOT, checksums
+from test_launchers import BIN, ROOT, checksums, ddp_reference
 
 PACKAGES = {"slurm": ["slurm-wlm", "munge"], "openmpi": ["openmpi-bin"], "mpich": ["mpich"]}
 PROGRAMS = {"slurm": ["srun", "munged"], "openmpi": ["mpirun.openmpi"], "mpich": ["mpiexec.mpich"]}
@@ -85,14 +85,14 @@ def test_openmpi_runs_the_ddp_example(world):
     needs("openmpi")
     rc, out, _ = launch(["mpirun.openmpi", "-n", world, sys.executable, "examples/ddp.py"], clean_env(**OMPI_ENV))
     assert rc == 0, out
-    checksums(out, world)
+    checksums(out, world, ddp_reference(world))
 
 
 def test_mpich_runs_the_ddp_example():
     needs("mpich")
     rc, out, _ = launch(["mpiexec.mpich", "-n", 2, sys.executable, "examples/ddp.py"], clean_env())
     assert rc == 0, out
-    checksums(out, 2)
+    checksums(out, 2, ddp_reference(2))
 
 
 # ---- Slurm ------------------------------------------------------------------------------
@@ -110,13 +110,13 @@ def slurm(tmp_path_factory):
 def test_srun_runs_the_ddp_example(slurm):
     rc, out, _ = launch(["srun", "-n", 2, "--immediate=60", "python", "examples/ddp.py"], slurm.env(clean_env()))
     assert rc == 0, out
-    checksums(out, 2)
+    checksums(out, 2, ddp_reference(2))
 
 
 def test_sbatch_runs_the_example_batch_script(slurm):
     jid, state, out = slurm.sbatch_wait(ROOT / "examples/slurm/ddp.sbatch", cwd=ROOT, env=clean_env())
     assert state == "COMPLETED", f"job {jid}: {state}\n{out}"
-    checksums(out, 2)
+    checksums(out, 2, ddp_reference(2))
 
 
 def test_a_killed_task_makes_the_other_raise_and_the_job_end(slurm):

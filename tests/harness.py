@@ -9,8 +9,10 @@ rank's return value or traceback comes back to the test.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,6 +45,27 @@ def require(ok, why: str) -> None:
     if in_ci():
         pytest.fail(f"{why} (a skip here, but CI=true: what cannot be set up fails the run)", pytrace=False)
     pytest.skip(why)
+
+
+@functools.lru_cache(maxsize=None)
+def apt_install(packages: tuple[str, ...], programs: tuple[str, ...]) -> str | None:
+    """Installs Debian's `packages` unless all `programs` are found already; returns
+    why they are still missing, or None. Needs root and apt-get."""
+    def present():
+        return all(shutil.which(p) or os.path.exists(f"/usr/sbin/{p}") for p in programs)
+
+    if present():
+        return None
+    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return f"needs {' '.join(packages)}: {' '.join(cmd)} (as root)"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(cmd, capture_output=True, env=env, timeout=900).returncode != 0:
+        subprocess.run(["apt-get", "update"], capture_output=True, env=env, timeout=900)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        if r.returncode != 0:
+            return f"{' '.join(cmd)} failed: {r.stderr.strip()[-300:]}"
+    return None if present() else f"{' '.join(packages)} installed but {list(programs)} not found"
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):

@@ -4,6 +4,10 @@ import json
 import subprocess
 import sys
 
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
 from test_launchers import ROOT
 
 
@@ -28,3 +32,33 @@ def test_bench_runs_every_op_and_checks_results(tmp_path):
     assert all(p["median_us"] > 0 and p["p90_us"] >= p["median_us"] for p in points)
     assert png.stat().st_size > 10_000
     assert "gloo/ccl" in proc.stdout and "oneccl/ccl" in proc.stdout
+
+
+def _checks(rank, world):
+    """Case.check on each op and backend: right when the call runs, wrong when it does not."""
+    from oneccl_bind_pt import bench
+
+    class Idle(bench.Case):
+        def call(self, backend):
+            return lambda *args: None  # the call does nothing: the buffers keep their inputs
+
+    groups = {"ccl": dist.group.WORLD, "gloo": dist.new_group(backend="gloo"), "oneccl": bench.oneccl_group(world)}
+    verdicts = {}
+    for op in bench.OPS:
+        for backend in bench.BACKENDS:
+            for kind in (bench.Case, Idle):
+                case = kind(op, torch.float32, 256, rank, world, groups)
+                verdicts[f"{op} {backend} {kind.__name__}"] = case.check(backend)
+    return verdicts
+
+
+def test_the_correctness_check_can_fail():
+    # The bench's `correct` column is each rank's Case.check; the job's verdict is the
+    # lowest over ranks. A backend whose call did nothing must come out wrong on some rank.
+    per_rank = run_ranks(_checks, 2)
+    for name in per_rank[0]:
+        verdicts = [v[name] for v in per_rank]
+        if name.endswith(" Case"):
+            assert all(verdicts), (name, verdicts)
+        else:
+            assert not all(verdicts), (name, verdicts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import importlib
 import os
 import queue
 import shutil
@@ -44,7 +45,7 @@ def require(ok, why: str) -> None:
         return
     if in_ci():
         pytest.fail(f"{why} (a skip here, but CI=true: what cannot be set up fails the run)", pytrace=False)
-    pytest.skip(why)
+    pytest.skip(why, allow_module_level=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,6 +67,14 @@ def apt_install(packages: tuple[str, ...], programs: tuple[str, ...]) -> str | N
         if r.returncode != 0:
             return f"{' '.join(cmd)} failed: {r.stderr.strip()[-300:]}"
     return None if present() else f"{' '.join(packages)} installed but {list(programs)} not found"
+
+
+def import_or_require(name: str):
+    """The module `name`; without it, require() (a skip, a failure under CI=true)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        require(False, f"needs the {name} package ({e})")
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):

@@ -21,10 +21,13 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+from harness import import_or_require, run_job  # noqa: E402
 
-from harness import run_job  # noqa: E402
+import_or_require("transformers")
+import_or_require("accelerate")
+# The legacy overlay's pip install (up to 600 s) is paid by the first test that uses it.
+pytestmark = pytest.mark.timeout(1800)
+
 from test_launchers import BIN, ROOT, checksums, free_port  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"

@@ -32,6 +32,7 @@ def matrix_results(world, path):
     return run_ranks(_run_all_on, world, path, timeout=900, env=PATHS[path])
 
 
+@pytest.mark.timeout(1200)  # the first item of a (world, path) pays its launch (up to 900 s)
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("case_id", CASE_IDS)

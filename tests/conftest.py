@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(seconds))
     if config.getoption("--runslow"):
         return
-    skip = pytest.mark.skip(reason="long variant: pass --runslow")
     for item in items:
         if "slow" in item.keywords:
-            item.add_marker(skip)
+            # Named, so that the summary (-ra) lists each one not run.
+            item.add_marker(pytest.mark.skip(reason=f"{item.name} is a long variant: pass --runslow"))

@@ -18,8 +18,8 @@ def _at_least(major, minor):
     return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
 
 
-needs_2_14 = pytest.mark.skipif(not _at_least(2, 14), reason="torch 2.14 added it")
-needs_2_15 = pytest.mark.skipif(not _at_least(2, 15), reason="torch 2.15 added it")
+needs_2_14 = pytest.mark.skipif(not _at_least(2, 14), reason=f"torch 2.14 added it; this is torch {torch.__version__}")
+needs_2_15 = pytest.mark.skipif(not _at_least(2, 15), reason=f"torch 2.15 added it; this is torch {torch.__version__}")
 
 
 def _gather_single(rank, world):

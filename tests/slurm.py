@@ -65,7 +65,7 @@ class SlurmCluster:
         for sub in ("munge", "log", "state", f"spool/{self.node}", "run"):
             (r / sub).mkdir(parents=True, exist_ok=True)
         subprocess.run(["mungekey", "--create", "--force", f"--keyfile={r / 'munge/munge.key'}"], check=True,
-                       capture_output=True)
+                       capture_output=True, timeout=60)
         socket_path = r / "munge" / "munge.socket"
         # -f: pytest's temporary folders are private (0700), which munged
         # otherwise refuses for its socket.

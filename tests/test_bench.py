@@ -7,19 +7,20 @@ import sys
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
+from harness import communicate, popen, run_ranks
 from test_launchers import ROOT
 
 
 def test_bench_runs_every_op_and_checks_results(tmp_path):
     out = tmp_path / "bench.json"
     png = tmp_path / "bench.png"
-    proc = subprocess.run(
+    proc = popen(
         [sys.executable, "-m", "oneccl_bind_pt.bench", "--nprocs", "2", "--max-bytes", "4K", "--factor", "32",
-         "--seconds", "0.01", "--rounds", "2", "--quiet", "--json", str(out), "--plot", str(png)],
-        cwd=ROOT / "tests", capture_output=True, text=True, timeout=300,
+         "--seconds", "0.01", "--rounds", "2", "--quiet", "--json", out, "--plot", png],
+        cwd=ROOT / "tests", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (text,) = communicate([proc], 300)  # a hang kills the spawned ranks too
+    assert proc.returncode == 0, text
     result = json.loads(out.read_text())
     assert result["world"] == 2
     points = result["points"]
@@ -31,7 +32,7 @@ def test_bench_runs_every_op_and_checks_results(tmp_path):
     assert not bad, bad
     assert all(p["median_us"] > 0 and p["p90_us"] >= p["median_us"] for p in points)
     assert png.stat().st_size > 10_000
-    assert "gloo/ccl" in proc.stdout and "oneccl/ccl" in proc.stdout
+    assert "gloo/ccl" in text and "oneccl/ccl" in text
 
 
 def _checks(rank, world):

@@ -266,18 +266,19 @@ def two_hosts():
         ]
     try:
         for cmd in setup:
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60)
     except subprocess.CalledProcessError as e:
         for n in ns:
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+            subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=60)
         require(False, f"cannot create network namespaces here: {' '.join(e.cmd)}: {e.stderr.strip()}")
     yield ns, dev, addr
     for n in ns:
-        subprocess.run(["ip", "netns", "del", n], capture_output=True)
+        subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=60)
 
 
 def _tx_bytes(ns, dev):
-    out = subprocess.run(["ip", "-n", ns, "-s", "link", "show", dev], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["ip", "-n", ns, "-s", "link", "show", dev], capture_output=True, text=True, check=True,
+                         timeout=60).stdout
     return int(out.split("TX:")[1].split("\n")[1].split()[0])
 
 

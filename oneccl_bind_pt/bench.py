@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -104,6 +105,11 @@ class Case:
         self.inp = torch.zeros(large if op == "reduce_scatter" else small, dtype=dtype)
         self.out = torch.zeros(small if op == "reduce_scatter" else large, dtype=dtype)
 
+    @functools.cached_property
+    def copy_buffers(self):
+        """Source and destination of the `copy` baseline (only allocated when it runs)."""
+        return torch.zeros(self.nbytes, dtype=torch.uint8), torch.zeros(self.nbytes, dtype=torch.uint8)
+
     def call(self, backend):
         op, inp, out = self.op, self.inp, self.out
         if backend == "raw":
@@ -113,7 +119,7 @@ class Case:
         if backend == "copy":
             # The bound for moving these bytes on this host: one plain copy per rank,
             # all ranks copying at once, as in the collective.
-            src, dst = torch.ones(self.nbytes, dtype=torch.uint8), torch.empty(self.nbytes, dtype=torch.uint8)
+            src, dst = self.copy_buffers
             return lambda: dst.copy_(src)
         g = self.groups[backend]
         if op == "allreduce":
@@ -166,7 +172,11 @@ class Case:
         """One call on rank-dependent data; compares with the value worked out by hand."""
         r, w = self.rank, self.world
         if backend == "copy":
-            return True
+            src, dst = self.copy_buffers
+            src.copy_(torch.arange(src.numel()) % 251 + r)
+            dst.zero_()
+            self.call(backend)()
+            return torch.equal(dst, src)
         self.inp.copy_(torch.arange(self.inp.numel()) % 7 + r)
         self.out.zero_()
         call = self.call(backend)

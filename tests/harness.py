@@ -1,4 +1,5 @@
-"""Runs a function on N real processes joined by a real ccl process group.
+"""Runs a function on N real processes joined by a real ccl process group, and the
+helpers every test shares: waiting on an event, requiring a capability, ports.
 
 Each rank is a fresh interpreter (multiprocessing "spawn"), rendezvous goes
 through a FileStore in a temporary folder (no ports to collide), and every
@@ -8,14 +9,22 @@ rank's return value or traceback comes back to the test.
 from __future__ import annotations
 
 import datetime
+import functools
+import importlib
 import os
 import queue
+import shutil
 import signal
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 import traceback
+from pathlib import Path
 
+import filelock
+import pytest
 import torch.multiprocessing as mp
 
 
@@ -23,21 +32,220 @@ class RankFailure(AssertionError):
     pass
 
 
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"
+
+
+def require(ok, why: str) -> None:
+    """Skips the test when a capability it needs is missing (`ok` false), with `why`.
+
+    Under CI=true that is a failure instead: CI must not pass without having run
+    what it claims to check."""
+    if ok:
+        return
+    if in_ci():
+        pytest.fail(f"{why} (a skip here, but CI=true: what cannot be set up fails the run)", pytrace=False)
+    pytest.skip(why, allow_module_level=True)
+
+
+@functools.lru_cache(maxsize=None)
+def apt_install(packages: tuple[str, ...], programs: tuple[str, ...]) -> str | None:
+    """Installs Debian's `packages` unless all `programs` are found already; returns
+    why they are still missing, or None. Needs root and apt-get."""
+    def present():
+        return all(shutil.which(p) or os.path.exists(f"/usr/sbin/{p}") for p in programs)
+
+    if present():
+        return None
+    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return f"needs {' '.join(packages)}: {' '.join(cmd)} (as root)"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(cmd, capture_output=True, env=env, timeout=900).returncode != 0:
+        subprocess.run(["apt-get", "update"], capture_output=True, env=env, timeout=900)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        if r.returncode != 0:
+            return f"{' '.join(cmd)} failed: {r.stderr.strip()[-300:]}"
+    return None if present() else f"{' '.join(packages)} installed but {list(programs)} not found"
+
+
+def import_or_require(name: str):
+    """The module `name`; without it, require() (a skip, a failure under CI=true)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        require(False, f"needs the {name} package ({e})")
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    """Polls `predicate` until it returns something true, and returns that; after
+    `timeout` seconds fails, naming `what` it waited for."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"waited {timeout} s for {what}")
+        time.sleep(interval)
+
+
+def announce(name: str) -> None:
+    """Inside a rank: tells the other ranks that `name` happened (through the group's store)."""
+    import torch.distributed as dist
+
+    dist.distributed_c10d._get_default_store().set(f"harness/{name}", "1")
+
+
+def await_announcement(name: str, timeout: float = 120) -> None:
+    """Inside a rank: blocks until another rank announced `name`; raises after `timeout` s."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        store.wait([f"harness/{name}"], datetime.timedelta(seconds=timeout))
+    except Exception as e:  # noqa: BLE001 - the store's own timeout error names no event
+        raise AssertionError(f"waited {timeout} s for another rank to announce {name!r}: {e}") from None
+
+
+# ---- processes ------------------------------------------------------------------------
+
+
+def popen(cmd, **kw) -> subprocess.Popen:
+    """Popen in a session of its own, so that kill_session() reaches everything it started."""
+    return subprocess.Popen([str(c) for c in cmd], start_new_session=True, **kw)
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILLs the process group `proc` leads (ranks included, not only the launcher)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def communicate(procs, timeout: float) -> list[str]:
+    """Each process's output (stdout, with stderr merged into it or not), within one shared
+    `timeout`; on a timeout, or on anything raised meanwhile (pytest-timeout's too), every
+    process's session is killed."""
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    kill_session(q)
+                got = [q.communicate()[0] or "" for q in procs]
+                raise AssertionError(f"{p.args} did not finish within {timeout} s:\n" + "\n".join(got)) from None
+            outs.append((out or "") + (err or ""))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_session(p)
+                p.wait()
+    return outs
+
+
+class Lines:
+    """A process's merged stdout/stderr read by a thread as it comes, so a test can wait
+    for a line (a rank's "ready") while the process runs."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines = proc, []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def count(self, marker: str) -> int:
+        return sum(marker in line for line in self.lines)
+
+    def wait_for(self, marker: str, count: int = 1, timeout: float = 120) -> None:
+        def seen():
+            if self.count(marker) >= count:
+                return True
+            if self.proc.poll() is not None:
+                self._thread.join(5)
+                if self.count(marker) < count:
+                    raise AssertionError(f"exited {self.proc.returncode} before printing {marker!r} {count} "
+                                         f"time(s):\n{self.text}")
+            return False
+
+        wait_for(seen, timeout, f"{marker!r} printed {count} time(s) by {self.proc.args}")
+
+    def finish(self, timeout: float) -> str:
+        """Waits for the process to exit (killing its session after `timeout`); all its output."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_session(self.proc)
+            self.proc.wait()
+            self._thread.join(5)
+            raise AssertionError(f"{self.proc.args} did not finish within {timeout} s:\n{self.text}") from None
+        self._thread.join(5)
+        return self.text
+
+    def close(self) -> None:
+        """Kills the process's session if it still runs (for a finally: block)."""
+        if self.proc.poll() is None:
+            kill_session(self.proc)
+            self.proc.wait()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
 def run_job(cmd, cwd, env, timeout=180):
     """Runs a launcher (torchrun, mpirun, ...) and returns its output; fails on a non-zero exit.
     It gets its own session so a timeout kills the ranks too, not only the launcher."""
-    cmd = [str(c) for c in cmd]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd)} did not finish within {timeout} s:\n{stdout}{stderr}") from None
-    out = stdout + stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{out}"
+    proc = popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (out,) = communicate([proc], timeout)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{out}"
     return out
+
+
+# ---- ports --------------------------------------------------------------------------------
+
+_PORT_LOCKS = Path(tempfile.gettempdir()) / "oneccl_bind_pt-test-ports"
+_held: dict[int, filelock.FileLock] = {}
+
+
+def free_port() -> int:
+    """A TCP port for a job's rendezvous (MASTER_PORT, a torchrun endpoint) that no other
+    caller gets while this test run lasts.
+
+    Binding port 0 and closing races: the kernel may hand the same port to anyone
+    before the job binds it. Instead ports come from below the kernel's ephemeral range
+    (which it never picks on its own), each held by a file lock for the life of this
+    pytest process, so concurrent test runs on the machine skip it; one that is bound
+    already (another program) is skipped too.
+    """
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    if not _PORT_LOCKS.exists():
+        _PORT_LOCKS.mkdir(exist_ok=True)
+        os.chmod(_PORT_LOCKS, 0o1777)  # shared by every user's test runs, like /tmp
+    for port in range(max(1024, low - 12_000) + os.getpid() % 7_000, low):
+        if port in _held:
+            continue
+        lock = filelock.FileLock(_PORT_LOCKS / f"{port}.lock", timeout=0)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                lock.release()
+                continue
+        _held[port] = lock
+        return port
+    raise AssertionError(f"no free port below {low}")
 
 
 def _entry(fn, rank, world, store_path, results, args, env, pg_timeout, backend):
@@ -81,22 +289,26 @@ def run_ranks(fn, world, *args, timeout=180, env=None, pg_timeout=60, backend="c
             )
             for rank in range(world)
         ]
-        for p in procs:
-            p.start()
-        got = {}
-        deadline = time.monotonic() + timeout
-        while len(got) < world and time.monotonic() < deadline:
-            try:
-                rank, ok, value = results.get(timeout=0.5)
-                got[rank] = (ok, value)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and results.empty():
-                    break
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join()
+        try:
+            for p in procs:
+                p.start()
+            got = {}
+            deadline = time.monotonic() + timeout
+            while len(got) < world and time.monotonic() < deadline:
+                try:
+                    rank, ok, value = results.get(timeout=0.5)
+                    got[rank] = (ok, value)
+                except queue.Empty:
+                    if all(not p.is_alive() for p in procs) and results.empty():
+                        break
+            for p in procs:
+                p.join(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            # Also when pytest-timeout interrupts the wait: no rank outlives its test.
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
     problems = []
     for rank in range(world):
         if rank not in got:

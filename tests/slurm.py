@@ -1,8 +1,8 @@
 """A one-node Slurm cluster for the tests: munge, slurmctld and slurmd started here.
 
 Everything lives in one directory (keys, sockets, state, logs, slurm.conf) and the
-daemons are children of the test process, in the foreground, on ports the kernel
-picks; nothing under /etc, /var or /run is used. The node declares 4 CPUs
+daemons are children of the test process, in the foreground, on ports free_port()
+reserves; nothing under /etc, /var or /run is used. The node declares 4 CPUs
 (SlurmdParameters=config_overrides) so 4 tasks fit on a 2-core machine, and
 FirstJobId is random so two clusters on one machine do not hand out the same job
 ids (the launcher mapping derives MASTER_PORT from them).
@@ -19,17 +19,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from harness import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol", "squeue", "scancel")
 
 
 def missing_programs() -> list[str]:
     return [d for d in DAEMONS if not shutil.which(d) and not os.path.exists(f"/usr/sbin/{d}")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _which(name: str) -> str:
@@ -69,7 +65,7 @@ class SlurmCluster:
         for sub in ("munge", "log", "state", f"spool/{self.node}", "run"):
             (r / sub).mkdir(parents=True, exist_ok=True)
         subprocess.run(["mungekey", "--create", "--force", f"--keyfile={r / 'munge/munge.key'}"], check=True,
-                       capture_output=True)
+                       capture_output=True, timeout=60)
         socket_path = r / "munge" / "munge.socket"
         # -f: pytest's temporary folders are private (0700), which munged
         # otherwise refuses for its socket.
@@ -77,7 +73,7 @@ class SlurmCluster:
                      f"--pid-file={r / 'munge/munged.pid'}", f"--log-file={r / 'log/munged.log'}",
                      f"--seed-file={r / 'munge/munged.seed'}"])
         self._wait(lambda: socket_path.exists(), timeout, "munged did not create its socket")
-        ctld_port, slurmd_port = _free_port(), _free_port()
+        ctld_port, slurmd_port = free_port(), free_port()
         (r / "plugstack.conf").write_text("")
         (r / "slurm.conf").write_text(f"""\
 ClusterName=oneccltest

@@ -4,18 +4,23 @@ import json
 import subprocess
 import sys
 
+import torch
+import torch.distributed as dist
+
+from harness import communicate, popen, run_ranks
 from test_launchers import ROOT
 
 
 def test_bench_runs_every_op_and_checks_results(tmp_path):
     out = tmp_path / "bench.json"
     png = tmp_path / "bench.png"
-    proc = subprocess.run(
+    proc = popen(
         [sys.executable, "-m", "oneccl_bind_pt.bench", "--nprocs", "2", "--max-bytes", "4K", "--factor", "32",
-         "--seconds", "0.01", "--rounds", "2", "--quiet", "--json", str(out), "--plot", str(png)],
-        cwd=ROOT / "tests", capture_output=True, text=True, timeout=300,
+         "--seconds", "0.01", "--rounds", "2", "--quiet", "--json", out, "--plot", png],
+        cwd=ROOT / "tests", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (text,) = communicate([proc], 300)  # a hang kills the spawned ranks too
+    assert proc.returncode == 0, text
     result = json.loads(out.read_text())
     assert result["world"] == 2
     points = result["points"]
@@ -27,4 +32,34 @@ def test_bench_runs_every_op_and_checks_results(tmp_path):
     assert not bad, bad
     assert all(p["median_us"] > 0 and p["p90_us"] >= p["median_us"] for p in points)
     assert png.stat().st_size > 10_000
-    assert "gloo/ccl" in proc.stdout and "oneccl/ccl" in proc.stdout
+    assert "gloo/ccl" in text and "oneccl/ccl" in text
+
+
+def _checks(rank, world):
+    """Case.check on each op and backend: right when the call runs, wrong when it does not."""
+    from oneccl_bind_pt import bench
+
+    class Idle(bench.Case):
+        def call(self, backend):
+            return lambda *args: None  # the call does nothing: the buffers keep their inputs
+
+    groups = {"ccl": dist.group.WORLD, "gloo": dist.new_group(backend="gloo"), "oneccl": bench.oneccl_group(world)}
+    verdicts = {}
+    for op in bench.OPS:
+        for backend in bench.BACKENDS:
+            for kind in (bench.Case, Idle):
+                case = kind(op, torch.float32, 256, rank, world, groups)
+                verdicts[f"{op} {backend} {kind.__name__}"] = case.check(backend)
+    return verdicts
+
+
+def test_the_correctness_check_can_fail():
+    # The bench's `correct` column is each rank's Case.check; the job's verdict is the
+    # lowest over ranks. A backend whose call did nothing must come out wrong on some rank.
+    per_rank = run_ranks(_checks, 2)
+    for name in per_rank[0]:
+        verdicts = [v[name] for v in per_rank]
+        if name.endswith(" Case"):
+            assert all(verdicts), (name, verdicts)
+        else:
+            assert not all(verdicts), (name, verdicts)

@@ -23,7 +23,8 @@ ENSURE_VENV = ROOT / "scripts" / "ensure_venv.py"
 
 
 def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
+                          timeout=300).stdout
 
 
 def tree_problems(repo: Path) -> list[str]:
@@ -92,7 +93,7 @@ def ensure(venv: Path):
 
 def works(venv: Path) -> bool:
     r = subprocess.run([str(venv / "bin" / "python"), "-c", "import sys; print(sys.prefix)"],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, timeout=120)
     return r.returncode == 0 and Path(r.stdout.strip()) == venv
 
 

@@ -1,54 +1,32 @@
 """The launchers HPC sites run: Slurm (srun, sbatch), Open MPI and MPICH.
 
 Real launchers from Debian's packages (installed here when missing and the test
-runs as root; skipped with the command to run otherwise) start the DDP example
+runs as root; skipped with the command to run otherwise, failed under CI=true) start the DDP example
 as users do, with nothing exported by hand. Slurm runs as a one-node cluster
 these tests start and tear down (tests/slurm.py).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
+from harness import Lines, apt_install, communicate, popen, require
 from slurm import SlurmCluster, missing_programs
-from test_launchers import BIN, ROOT, checksums
+from test_launchers import BIN, ROOT, checksums, ddp_reference
 
 PACKAGES = {"slurm": ["slurm-wlm", "munge"], "openmpi": ["openmpi-bin"], "mpich": ["mpich"]}
 PROGRAMS = {"slurm": ["srun", "munged"], "openmpi": ["mpirun.openmpi"], "mpich": ["mpiexec.mpich"]}
 
 
-@functools.lru_cache(maxsize=None)
-def _install(what: str) -> str | None:
-    """Installs Debian's packages for `what` if needed; returns why not, or None."""
-    def present():
-        return all(shutil.which(p) or os.path.exists(f"/usr/sbin/{p}") for p in PROGRAMS[what])
-
-    if present():
-        return None
-    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES[what]]
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        return f"needs {' '.join(PACKAGES[what])}: {' '.join(cmd)} (as root)"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    if subprocess.run(cmd, capture_output=True, env=env).returncode != 0:
-        subprocess.run(["apt-get", "update"], capture_output=True, env=env)
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if r.returncode != 0:
-            return f"{' '.join(cmd)} failed: {r.stderr.strip()[-300:]}"
-    return None if present() else f"{' '.join(PACKAGES[what])} installed but {PROGRAMS[what]} not found"
-
-
 def needs(what: str):
-    why = _install(what)
-    if why:
-        pytest.skip(why)
+    why = apt_install(tuple(PACKAGES[what]), tuple(PROGRAMS[what]))
+    require(not why, why)
 
 
 # Variables a launcher sets per rank: the test process's own must not leak into a job.
@@ -65,8 +43,9 @@ def clean_env(**extra) -> dict:
 
 def launch(cmd, env, timeout=240):
     start = time.monotonic()
-    p = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    return p.returncode, p.stdout + p.stderr, time.monotonic() - start
+    p = popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    (out,) = communicate([p], timeout)
+    return p.returncode, out, time.monotonic() - start
 
 
 # ---- Open MPI and MPICH -------------------------------------------------------------
@@ -84,14 +63,14 @@ def test_openmpi_runs_the_ddp_example(world):
     needs("openmpi")
     rc, out, _ = launch(["mpirun.openmpi", "-n", world, sys.executable, "examples/ddp.py"], clean_env(**OMPI_ENV))
     assert rc == 0, out
-    checksums(out, world)
+    checksums(out, world, ddp_reference(world))
 
 
 def test_mpich_runs_the_ddp_example():
     needs("mpich")
     rc, out, _ = launch(["mpiexec.mpich", "-n", 2, sys.executable, "examples/ddp.py"], clean_env())
     assert rc == 0, out
-    checksums(out, 2)
+    checksums(out, 2, ddp_reference(2))
 
 
 # ---- Slurm ------------------------------------------------------------------------------
@@ -99,8 +78,7 @@ def test_mpich_runs_the_ddp_example():
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     needs("slurm")
-    if missing_programs():
-        pytest.skip(f"Slurm's programs not found: {missing_programs()}")
+    require(not missing_programs(), f"Slurm's programs not found: {missing_programs()}")
     start = time.monotonic()
     with SlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
         cluster.setup_seconds = time.monotonic() - start
@@ -110,46 +88,41 @@ def slurm(tmp_path_factory):
 def test_srun_runs_the_ddp_example(slurm):
     rc, out, _ = launch(["srun", "-n", 2, "--immediate=60", "python", "examples/ddp.py"], slurm.env(clean_env()))
     assert rc == 0, out
-    checksums(out, 2)
+    checksums(out, 2, ddp_reference(2))
 
 
 def test_sbatch_runs_the_example_batch_script(slurm):
     jid, state, out = slurm.sbatch_wait(ROOT / "examples/slurm/ddp.sbatch", cwd=ROOT, env=clean_env())
     assert state == "COMPLETED", f"job {jid}: {state}\n{out}"
-    checksums(out, 2)
+    checksums(out, 2, ddp_reference(2))
 
 
 def test_a_killed_task_makes_the_other_raise_and_the_job_end(slurm):
     # Task 1 SIGKILLs itself after the first allreduce; Slurm leaves task 0 running.
-    rc, out, took = launch(["srun", "-n", 2, "--immediate=60", "python", "tests/scripts/rank_dies.py"],
-                           slurm.env(clean_env(PG_TIMEOUT="10")), timeout=120)
+    # The job ending at all is bounded by launch()'s timeout; how soon task 0 raised,
+    # by its own clock around the collective (the timeout, with room for a loaded machine).
+    rc, out, _ = launch(["srun", "-n", 2, "--immediate=60", "python", "tests/scripts/rank_dies.py"],
+                        slurm.env(clean_env(PG_TIMEOUT="10")), timeout=180)
     assert rc != 0, out
     m = re.search(r"rank 0 raised after ([\d.]+) s: .*allreduce", out)
-    assert m and float(m.group(1)) <= 10, out
-    assert took < 90, took
+    assert m and float(m.group(1)) <= 20, out
 
 
 def test_scancel_of_a_step_ends_it(slurm):
     script = ("import torch, torch.distributed as dist, oneccl_bind_pt, time\n"
-              "dist.init_process_group('ccl'); print('ready', dist.get_rank(), flush=True)\n"
-              "t = torch.ones(1024)\n"
+              "dist.init_process_group('ccl'); t = torch.ones(1024); dist.all_reduce(t)\n"
+              "print('ready', dist.get_rank(), flush=True)\n"
               "while True: dist.all_reduce(t)\n")
-    srun = subprocess.Popen(["srun", "-n", "2", "--immediate=60", "--job-name=spin", "python", "-P", "-c", script],
-                            cwd=ROOT, env=slurm.env(clean_env()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    srun = popen(["srun", "-n", "2", "--immediate=60", "--job-name=spin", "python", "-P", "-c", script],
+                 cwd=ROOT, env=slurm.env(clean_env()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = Lines(srun)
     try:
-        deadline = time.monotonic() + 120
-        job = ""
-        while time.monotonic() < deadline and not job:
-            job = slurm.run(["squeue", "-h", "-n", "spin", "-o", "%i"], check=False).stdout.strip()
-            time.sleep(0.2)
-        assert job, "the job never appeared"
-        time.sleep(5)  # both tasks inside the loop
+        # Both tasks inside the loop: each printed after a collective with the other.
+        out.wait_for("ready", count=2, timeout=180)
+        job = slurm.run(["squeue", "-h", "-n", "spin", "-o", "%i"]).stdout.strip()
+        assert job, f"squeue does not list the running job:\n{out.text}"
         slurm.run(["scancel", f"{job}.0"])
-        start = time.monotonic()
-        out, _ = srun.communicate(timeout=60)
-        assert time.monotonic() - start < 30
-        assert srun.returncode != 0 and "ready" in out, out
+        text = out.finish(timeout=120)  # the step ends (or this fails, naming what it waited for)
+        assert srun.returncode != 0, text
     finally:
-        if srun.poll() is None:
-            srun.kill()
+        out.close()

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from harness import run_job
+from harness import communicate, popen, run_job
 from test_launchers import BIN, ROOT, free_port
 
 EXAMPLES = ROOT / "examples"
@@ -137,22 +137,12 @@ def test_mpirun_hostfile_two_nodes_of_two(tmp_path):
 def test_torchrun_two_nodes_of_two(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     procs = [
-        subprocess.Popen(
-            [str(BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(node),
-             "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", "examples", str(TRAIN)],
-            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
+        popen([BIN / "torchrun", "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", node,
+               "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", "examples", TRAIN],
+              cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for node in (0, 1)
     ]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=180)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = communicate(procs, 180)  # a hang kills both agents' sessions, ranks included
     out = "\n".join(outs)
     assert [p.returncode for p in procs] == [0, 0], out
     _check_multinode(out)

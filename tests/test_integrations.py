@@ -21,10 +21,13 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+from harness import import_or_require, run_job  # noqa: E402
 
-from harness import run_job  # noqa: E402
+import_or_require("transformers")
+import_or_require("accelerate")
+# The legacy overlay's pip install (up to 600 s) is paid by the first test that uses it.
+pytestmark = pytest.mark.timeout(1800)
+
 from test_launchers import BIN, ROOT, checksums, free_port  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
@@ -81,7 +84,7 @@ def results(out, backend):
     assert sorted(runs) == [("0", backend, "2", "True"), ("1", backend, "2", "True")], out
     digests = dict(re.findall(r"rank (\d+) parameter digest ([0-9a-f]{16})", out))
     assert len(digests) == 2 and len(set(digests.values())) == 1, f"ranks' parameters differ: {digests}\n{out}"
-    final = float(checksums(out, 2)["0"])
+    final = float(checksums(out, 2, None)["0"])  # the callers compare it with gloo's
     start = set(re.findall(r"rank \d+ initial checksum (-?\d+\.\d{10})", out))
     assert len(start) == 1 and abs(float(start.pop()) - final) > 1e-3, f"training did not move the parameters:\n{out}"
     # Each rank trained on its own shard: DDP had something to average.

@@ -2,22 +2,17 @@
 
 import os
 import re
-import socket
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn as nn
 
-from harness import run_job
+from harness import free_port, run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd, timeout=180, env=None):
@@ -29,32 +24,63 @@ def run(cmd, timeout=180, env=None):
     return run_job(cmd, ROOT, full_env, timeout)
 
 
-def checksums(out, world):
+def checksums(out, world, reference):
+    """Each rank's printed parameter checksum: all equal, and equal to `reference` (the same
+    training done in this process), unless the caller passes None and compares elsewhere."""
     # Ranks share stdout, so lines may run together: match the number exactly.
     sums = dict(re.findall(r"rank (\d+) parameter checksum (-?\d+\.\d{10})", out))
     assert sorted(sums) == [str(r) for r in range(world)], out
     assert len(set(sums.values())) == 1, f"ranks disagree: {sums}"
+    if reference is not None:
+        got = float(sums["0"])
+        assert got == pytest.approx(reference, rel=1e-6, abs=1e-7), f"ranks agree on {got}, one process gets {reference}"
     return sums
+
+
+def _train_as_one_process(world, lr, steps, seed_of_rank):
+    # DDP averages the ranks' gradients: the gradient of their mean loss.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    batches = []
+    for r in range(world):
+        torch.manual_seed(seed_of_rank(r))
+        batches.append([(torch.randn(2, 4), torch.randn(2, 5)) for _ in range(steps)])
+    for step in range(steps):
+        optimizer.zero_grad()
+        sum(nn.functional.mse_loss(model(b[step][0]), b[step][1]) for b in batches).div(world).backward()
+        optimizer.step()
+    return sum(p.detach().double().sum().item() for p in model.parameters())
+
+
+def ddp_reference(world):
+    """examples/ddp.py's final checksum, computed in this process without distribution."""
+    return _train_as_one_process(world, lr=0.01, steps=3, seed_of_rank=lambda r: 100 + r)
+
+
+def mpi_style_reference(world):
+    """tests/scripts/mpi_style.py's final checksum, computed in this process."""
+    return _train_as_one_process(world, lr=0.1, steps=3, seed_of_rank=lambda r: r)
 
 
 def test_torchrun_ddp_example():
     out = run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "examples/ddp.py"])
-    checksums(out, 2)
+    checksums(out, 2, ddp_reference(2))
 
 
 def test_mpirun_ddp_example():
     out = run([BIN / "mpirun", "-n", "2", sys.executable, "examples/ddp.py"], env={"MASTER_PORT": str(free_port())})
-    checksums(out, 2)
+    checksums(out, 2, ddp_reference(2))
 
 
 def test_spawn_ddp_example():
     out = run([sys.executable, "examples/ddp_spawn.py", "--port", str(free_port())])
-    checksums(out, 2)
+    checksums(out, 2, ddp_reference(2))
 
 
 def test_single_process_example():
     out = run([sys.executable, "examples/ddp.py"], env={"MASTER_PORT": str(free_port())})
-    assert "rank 0 parameter checksum" in out
+    checksums(out, 1, ddp_reference(1))
 
 
 def test_mpirun_torch_ccl_style_script():
@@ -63,7 +89,7 @@ def test_mpirun_torch_ccl_style_script():
         env={"MASTER_PORT": str(free_port())},
     )
     assert "my rank = 2  my size = 3" in out
-    checksums(out, 3)
+    checksums(out, 3, mpi_style_reference(3))
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])

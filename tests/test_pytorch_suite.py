@@ -22,7 +22,7 @@ import types
 import pytest
 
 from pytorch_suite import known_issues, loader
-from pytorch_suite.check import check_plan
+from pytorch_suite.check import check_plan, judge
 from pytorch_suite.compare import compare
 from pytorch_suite.runner import FAILED, PASSED, SKIPPED, CaseResult, SuiteRun, inventory
 from pytorch_suite.selection import PLANS
@@ -85,6 +85,7 @@ def _unnamed(reason):
     return reason and re.sub(r"\b(gloo|ccl)\b", "<backend>", reason)
 
 
+@pytest.mark.timeout(1500)  # two inventories, up to 600 s each
 @pytest.mark.parametrize("world", [2, 3])
 def test_ccl_meets_the_gates_gloo_meets(world):
     gloo, ccl = _inventory("gloo", world), _inventory("ccl", world)
@@ -114,7 +115,8 @@ def test_known_issues_name_real_cases():
 
 def _plan_params():
     for plan in PLANS.values():
-        marks = [] if plan.quick else [pytest.mark.slow]
+        # Both backends' runs, each bounded by the plan's timeout.
+        marks = [pytest.mark.timeout(2 * plan.timeout + 600)] + ([] if plan.quick else [pytest.mark.slow])
         yield pytest.param(plan.name, marks=marks, id=plan.name)
 
 
@@ -122,3 +124,13 @@ def _plan_params():
 def test_ccl_matches_gloo(plan_name):
     problems = check_plan(PLANS[plan_name])
     assert not problems, f"{len(problems)} problem(s) in plan {plan_name}:\n" + "\n".join(problems)
+
+
+def test_a_plan_fails_when_too_few_cases_pass():
+    # Skipped on both backends compares equal: only the plan's minimum catches a run in
+    # which (nearly) nothing ran.
+    plan = PLANS["smoke"]
+    skipped = _run("ccl", **{name: SKIPPED for name in plan.cases})
+    problems = judge(plan, skipped, _run("gloo", **{name: SKIPPED for name in plan.cases}))
+    assert len(problems) == 1 and "passed on ccl" in problems[0], problems
+    assert judge(plan, _run("ccl", **{name: PASSED for name in plan.cases}), None) == []

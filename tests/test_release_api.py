@@ -6,21 +6,20 @@ this file on every supported release.
 
 import datetime
 import json
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
+from harness import announce, await_announcement, run_ranks
 
 
 def _at_least(major, minor):
     return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
 
 
-needs_2_14 = pytest.mark.skipif(not _at_least(2, 14), reason="torch 2.14 added it")
-needs_2_15 = pytest.mark.skipif(not _at_least(2, 15), reason="torch 2.15 added it")
+needs_2_14 = pytest.mark.skipif(not _at_least(2, 14), reason=f"torch 2.14 added it; this is torch {torch.__version__}")
+needs_2_15 = pytest.mark.skipif(not _at_least(2, 15), reason=f"torch 2.15 added it; this is torch {torch.__version__}")
 
 
 def _gather_single(rank, world):
@@ -59,9 +58,11 @@ def _recorded_states():
 def _flight_recorder(rank, world):
     dist.all_reduce(torch.ones(4))
     if rank == 1:
-        time.sleep(2)  # rank 0's next op cannot finish before this
+        await_announcement("recorded")  # rank 0's next op cannot finish before this
     work = dist.all_reduce(torch.ones(4), async_op=True)
     in_flight = _recorded_states()[-1] if rank == 0 else None
+    if rank == 0:
+        announce("recorded")
     work.wait()
     return in_flight, _recorded_states()
 

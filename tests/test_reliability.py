@@ -8,14 +8,13 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 import uuid
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
+from harness import apt_install, communicate, popen, require, run_ranks
 from test_launchers import BIN, ROOT, free_port, run
 
 
@@ -36,45 +35,45 @@ def _trimmed_usage():
 # ---- a rank dies, never comes, or leaves work behind ----------------------------------
 
 
-def _two_processes(script, *args, env=None, timeout=60):
+# Time limits below are the subprocess timeouts (a hang fails, and its ranks are killed);
+# how soon a survivor raises is judged from its own clock, around the collective alone.
+
+
+def _two_processes(script, *args, env=None, timeout=120):
     port = free_port()
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", **(env or {})}
     procs = [
-        subprocess.Popen([sys.executable, script, *args], cwd=ROOT, env={**base, "RANK": str(r), "LOCAL_RANK": str(r),
-                         "LOCAL_WORLD_SIZE": "2"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        popen([sys.executable, script, *args], cwd=ROOT, env={**base, "RANK": str(r), "LOCAL_RANK": str(r),
+              "LOCAL_WORLD_SIZE": "2"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(2)
     ]
-    return [p.communicate(timeout=timeout) + (p.returncode,) for p in procs]
+    outs = communicate(procs, timeout)
+    return [(out, p.returncode) for out, p in zip(outs, procs)]
 
 
 def test_killed_rank_makes_the_survivor_raise_within_the_timeout():
-    start = time.monotonic()
-    (out0, _, rc0), (_, _, rc1) = _two_processes("tests/scripts/rank_dies.py", env={"PG_TIMEOUT": "5"})
+    (out0, rc0), (_, rc1) = _two_processes("tests/scripts/rank_dies.py", env={"PG_TIMEOUT": "5"})
     assert rc1 == -9
     assert rc0 == 3, out0  # raised DistBackendError, destroyed the group, exited on its own
     m = re.search(r"rank 0 raised after ([\d.]+) s: .*allreduce", out0)
     assert m and float(m.group(1)) <= 10, out0
-    assert time.monotonic() - start < 40
 
 
 def test_torchrun_tears_the_job_down_when_a_rank_is_killed():
-    start = time.monotonic()
-    proc = subprocess.run(
-        [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "tests/scripts/rank_dies.py"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PG_TIMEOUT": "5"},
-    )
-    assert proc.returncode != 0
-    assert "SIGKILL" in proc.stdout + proc.stderr
-    assert time.monotonic() - start < 60
+    p = popen([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), "tests/scripts/rank_dies.py"],
+              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+              env={**os.environ, "PG_TIMEOUT": "5"})
+    (out,) = communicate([p], 180)
+    assert p.returncode != 0, out
+    assert "SIGKILL" in out, out
 
 
 def test_missing_rank_is_named_at_rendezvous(tmp_path):
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "tests/scripts/lonely_rank.py", str(tmp_path / "store")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert "missing ranks: 1" in proc.stdout, proc.stdout
-    assert time.monotonic() - start < 30
+    p = popen([sys.executable, "tests/scripts/lonely_rank.py", tmp_path / "store"], cwd=ROOT,
+              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (out,) = communicate([p], 120)
+    assert p.returncode == 3, out
+    assert "missing ranks: 1" in out, out
 
 
 def _destroy_with_work_in_flight(rank, world):
@@ -213,23 +212,24 @@ def _expect(ok, op):
     assert ok, f"wrong {op} result"
 
 
-LONG_SOAK_XFAIL = pytest.mark.xfail(
-    reason="oneCCL 2022.1.2 itself keeps ~1 KB per call (same growth with oneCCL called directly, "
-    "none with gloo): over 10,000 calls that passes 5%; see docs/reliability.md",
-    strict=False,
-)
+# oneCCL 2022.1.2 itself keeps about 1 KB per call (the same growth with oneCCL called
+# directly, none with gloo; docs/reliability.md): over the long run's 7,000 calls after
+# warm-up that passes 5%. The long run allows it, with margin, and no more.
+ONECCL_KB_PER_CALL = 4
 
 
 @pytest.mark.parametrize(
-    "count",
-    [pytest.param(1500, id="short"), pytest.param(10_000, id="long", marks=[pytest.mark.slow, LONG_SOAK_XFAIL])],
+    "count,kb_per_call",
+    [pytest.param(1500, 0, id="short"),
+     pytest.param(10_000, ONECCL_KB_PER_CALL, id="long", marks=[pytest.mark.slow, pytest.mark.timeout(3900)])],
 )
-def test_soak_mixed_collectives(count):
-    for checked, before, after in run_ranks(_soak, 2, count, 16, timeout=3600):
+def test_soak_mixed_collectives(count, kb_per_call):
+    for checked, before, after in run_ranks(_soak, 2, count, 16, timeout=3600 if count > 5000 else 800):
         assert checked == count
         assert after["fds"] <= before["fds"], (before, after)
         assert after["threads"] <= before["threads"], (before, after)
-        assert after["rss_kb"] < before["rss_kb"] * 1.05, (before, after)
+        after_warm_up = count - count * 3 // 10
+        assert after["rss_kb"] < before["rss_kb"] * 1.05 + kb_per_call * after_warm_up, (before, after)
 
 
 def test_soak_every_size_new_with_buffer_cache_off():
@@ -245,8 +245,10 @@ def test_soak_every_size_new_with_buffer_cache_off():
 @pytest.fixture
 def two_hosts():
     """Two network namespaces joined by a veth pair: one 'host' per rank."""
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
-        pytest.skip("network namespaces need root, iproute2 and unshare")
+    require(os.geteuid() == 0, "network namespaces need root")
+    why = apt_install(("iproute2",), ("ip",))
+    require(not why, why)
+    require(shutil.which("unshare"), "network namespaces need unshare (util-linux)")
     tag = uuid.uuid4().hex[:6]
     ns = [f"obp{tag}a", f"obp{tag}b"]
     dev = [f"obp{tag}0", f"obp{tag}1"]
@@ -264,18 +266,19 @@ def two_hosts():
         ]
     try:
         for cmd in setup:
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60)
     except subprocess.CalledProcessError as e:
         for n in ns:
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
-        pytest.skip(f"cannot create network namespaces here: {' '.join(e.cmd)}: {e.stderr.strip()}")
+            subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=60)
+        require(False, f"cannot create network namespaces here: {' '.join(e.cmd)}: {e.stderr.strip()}")
     yield ns, dev, addr
     for n in ns:
-        subprocess.run(["ip", "netns", "del", n], capture_output=True)
+        subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=60)
 
 
 def _tx_bytes(ns, dev):
-    out = subprocess.run(["ip", "-n", ns, "-s", "link", "show", dev], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["ip", "-n", ns, "-s", "link", "show", dev], capture_output=True, text=True, check=True,
+                         timeout=60).stdout
     return int(out.split("TX:")[1].split("\n")[1].split()[0])
 
 
@@ -284,7 +287,7 @@ def _torchrun_on_hosts(ns, addr, port, nproc, script, timeout):
     # Each host gets its own host name too (a UTS namespace): oneCCL treats peers with
     # the same host name as local and would use shared memory between them.
     procs = [
-        subprocess.Popen(
+        popen(
             ["ip", "netns", "exec", ns[k], "unshare", "--uts", "sh", "-c",
              f'hostname {ns[k]} && exec "$@"', "sh",
              BIN / "torchrun", "--nnodes", "2", "--nproc_per_node", str(nproc),
@@ -295,11 +298,7 @@ def _torchrun_on_hosts(ns, addr, port, nproc, script, timeout):
         )
         for k in (0, 1)
     ]
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    outs = communicate(procs, timeout)
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out
     return outs

@@ -26,9 +26,17 @@ def check_plan(plan: Plan) -> list[str]:
     again = sorted(name for name, case in ccl.cases.items() if case.outcome != PASSED and name not in known)
     gloo = (run_suite("gloo", plan.world_size, select=again, timeout=plan.timeout, case_timeout=plan.case_timeout)
             if again else None)
-    cmp = compare(gloo or SuiteRun("gloo", ccl.world_size, {}, 0.0, 0, ""), ccl)
+    return judge(plan, ccl, gloo)
 
+
+def judge(plan: Plan, ccl: SuiteRun, gloo: SuiteRun | None) -> list[str]:
+    """check_plan's verdict on its runs (gloo: the cases rerun there, or None)."""
+    cmp = compare(gloo or SuiteRun("gloo", ccl.world_size, {}, 0.0, 0, ""), ccl)
     problems = []
+    passed = ccl.counts()[PASSED]
+    if passed < plan.min_passed:
+        problems.append(f"only {passed} case(s) passed on ccl, fewer than the plan's minimum of {plan.min_passed}: "
+                        f"{ccl.counts()}")
     if not ccl.complete:
         problems.append(f"the ccl run stopped early (pytest exit {ccl.returncode})")
     problems += [f"{d.name}: gloo {d.gloo_outcome}, ccl {d.ccl_outcome}: {excerpt(d.ccl)}" for d in cmp.unexpected]

@@ -30,6 +30,10 @@ class Plan:
     # Seconds before a hung case is killed (PyTorch's own per-case overrides
     # still apply). Every case gloo passes takes well under a minute.
     case_timeout: int = 240
+    # Fewer cases passing on ccl fails the plan, whatever gloo does: a run where
+    # everything is skipped (a gate, a harness fault) would otherwise compare equal.
+    # Set from measured counts with a margin; see PLANS.
+    min_passed: int = 1
 
 
 # World size 2. Each collective once per thing that changes the code path
@@ -122,10 +126,13 @@ SMOKE = (
 PLANS = {
     plan.name: plan
     for plan in (
-        Plan("smoke", 2, SMOKE, timeout=20 * 60, case_timeout=120),
-        Plan("ci-ws2", 2, CI_WS2, quick=True, timeout=45 * 60, case_timeout=120),
-        Plan("ci-ws3", 3, CI_WS3, quick=True, timeout=30 * 60, case_timeout=120),
-        Plan("full-ws2", 2, None),
-        Plan("full-ws3", 3, None),
+        # min_passed: every case of these lists passes on ccl with torch 2.13.0 (ci-ws3:
+        # 16 of 16 measured), less a margin of about a tenth for what another release
+        # may skip; the full plans: 91 cases spawn ranks, of which 4 are known_issues.py's.
+        Plan("smoke", 2, SMOKE, timeout=20 * 60, case_timeout=120, min_passed=5),
+        Plan("ci-ws2", 2, CI_WS2, quick=True, timeout=45 * 60, case_timeout=120, min_passed=39),
+        Plan("ci-ws3", 3, CI_WS3, quick=True, timeout=30 * 60, case_timeout=120, min_passed=14),
+        Plan("full-ws2", 2, None, min_passed=78),
+        Plan("full-ws3", 3, None, min_passed=78),
     )
 }

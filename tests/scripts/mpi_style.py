@@ -16,6 +16,7 @@ os.environ["WORLD_SIZE"] = str(os.environ.get("PMI_SIZE", 1))
 dist.init_process_group("ccl")
 rank, size = dist.get_rank(), dist.get_world_size()
 print(f"my rank = {rank}  my size = {size}", flush=True)
+torch.manual_seed(0)  # the test trains the same model in one process to compare
 model = nn.parallel.DistributedDataParallel(nn.Linear(4, 5))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 torch.manual_seed(rank)

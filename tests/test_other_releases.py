@@ -42,7 +42,8 @@ WORK = ROOT / "build" / "release"
 SUBSET = [
     "tests/test_package.py",
     "tests/test_release_api.py",
-    # Not test_barrier_times_out_like_gloo[ccl-oneccl]: test_known_teardown_abort below.
+    # -k also leaves out test_errors.py::test_barrier_times_out_like_gloo[ccl-oneccl]:
+    # test_known_teardown_abort below runs it as a strict xfail.
     "tests/test_matrix.py", "-k", "(not test_case or 2-shm or 2-oneccl) and not ccl-oneccl",
     "tests/test_async.py",
     "tests/test_errors.py",
@@ -52,7 +53,7 @@ SUBSET = [
     # PyTorch's own suite, its smoke plan (6 cases against gloo; marked slow at home).
     "tests/test_pytorch_suite.py::test_ccl_matches_gloo[smoke]", "--runslow",
 ]
-TEARDOWN_CASE = "tests/test_matrix.py::test_barrier_times_out_like_gloo[ccl-oneccl]"
+TEARDOWN_CASE = "tests/test_errors.py::test_barrier_times_out_like_gloo[ccl-oneccl]"
 
 
 def _clean_env():
@@ -130,6 +131,13 @@ def test_installed_wheel_passes_the_subset(proven):
     start = time.monotonic()
     _run([proven["venv"] / "bin" / "pytest", "-q", "-p", "no:cacheprovider", *SUBSET], timeout=3600)
     print(f"{_id(proven['pair'])}: subset {time.monotonic() - start:.0f} s", file=sys.stderr)
+
+
+def test_the_known_teardown_case_exists(proven):
+    """A wrong node id would fail the xfail's inner run too, and pass the xfail for nothing."""
+    collected = _run([proven["venv"] / "bin" / "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                      TEARDOWN_CASE], timeout=300)
+    assert "1 test collected" in collected, collected
 
 
 @pytest.mark.xfail(strict=True, reason="issue 21: on torch 2.14/2.15 the rank that outlives its timed-out peer "

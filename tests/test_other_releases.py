@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from harness import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 META = yaml.safe_load((ROOT / "meta" / "releases.yaml").read_text())
@@ -63,10 +64,8 @@ def _clean_env():
 
 
 def _run(cmd, timeout):
-    proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=_clean_env(), capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))}:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
-    return proc.stdout
+    # Its own session: a timeout kills the inner run's ranks too, not only its pytest.
+    return run_job(cmd, cwd=ROOT, env=_clean_env(), timeout=timeout)
 
 
 def _subset_pins(torch):

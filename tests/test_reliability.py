@@ -324,7 +324,10 @@ def test_subgroup_on_one_host_takes_shared_memory_inside_a_two_host_world(two_ho
     port = free_port()
     sent_before = _tx_bytes(ns[0], dev[0])
     outs = _torchrun_on_hosts(ns, addr, port, 2, "tests/scripts/host_subgroups.py", timeout=240)
-    lines = re.findall(r"rank (\d) world_path=(\w+) local_path=(\w+) ok=(\w+) any_source_refused=(\S+)", "".join(outs))
+    # Ranks share a pipe, so a line may run into the next rank's: match each value exactly
+    # (\S+ here once swallowed "n/arank 1 ...", losing rank 1's line).
+    lines = re.findall(r"rank (\d) world_path=(\w+) local_path=(\w+) ok=(True|False) any_source_refused=(yes|no|n/a|other)",
+                       "".join(outs))
     assert sorted(r for r, *_ in lines) == ["0", "1", "2", "3"], outs
     for rank, world_path, local_path, ok, refused in lines:
         assert (world_path, local_path, ok) == ("oneccl", "shm", "True"), (rank, outs)

@@ -48,5 +48,6 @@ start=$SECONDS
 # --no-build-isolation: build against the torch in the venv, the one it will run with.
 "${pip[@]}" --no-build-isolation --no-deps .
 echo "setup: oneccl_bind_pt built and installed ($((SECONDS - start)) s)" >&2
-# -P: import the installed package, not this source tree.
-"$venv/bin/python" -P -c "import oneccl_bind_pt as m; print('oneccl_bind_pt', m.__version__, 'ready in', m.cwd)"
+# From /: import the installed package, not this source tree (python -P does that from 3.11 only).
+root=$PWD
+(cd / && "$root/$venv/bin/python" -c "import oneccl_bind_pt as m; print('oneccl_bind_pt', m.__version__, 'ready in', m.cwd)")

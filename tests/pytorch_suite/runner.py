@@ -131,9 +131,10 @@ def run_suite(
         tmp = Path(tmp)
         junit = junit_xml or tmp / "junit.xml"
         node = f"{SUITE}::TestDistBackendWithSpawn{backend.upper()}"
-        # pytest puts tests/ (the rootdir) on sys.path for pytorch_suite; -P keeps the cwd off it.
+        # pytest puts tests/ (the rootdir) on sys.path for pytorch_suite. Its console script, not
+        # `python -m pytest`, keeps the cwd off sys.path (python -P would too, but only from 3.11).
         cmd = [
-            sys.executable, "-P", "-m", "pytest",
+            str(Path(sys.executable).with_name("pytest")),
             *([f"{node}::{name}" for name in select] if select is not None else [str(SUITE)]),
             "-p", "no:cacheprovider",
             "--rootdir", str(HERE.parent),

@@ -152,12 +152,31 @@ Communicator::Communicator(
   shm_ = Shm::connect(store, rank, size, timeout, &*comm_);
 }
 
+namespace {
+
+// Whether rank 0's oneCCL key-value store still answers. Its server lives in
+// rank 0's process; when that process is gone, a client's request fails here
+// as an exception we can catch, while the same failure inside oneCCL's
+// communicator teardown is thrown from a destructor and aborts the process.
+bool kvs_answers(ccl::kvs& kvs, int rank) {
+  try {
+    const std::string key = "oneccl_bind_pt/teardown/" + std::to_string(rank);
+    kvs.set(key, {'1', '\0'}); // oneCCL requires the terminating NUL
+    return !kvs.get(key).empty();
+  } catch (...) {
+    return false;
+  }
+}
+
+} // namespace
+
 Communicator::~Communicator() {
   // oneCCL's teardown talks to the group's key-value store, which rank 0
-  // hosts; if a peer has already exited without tearing down its side (its
-  // group broke), oneCCL throws from a destructor and aborts the process. So
-  // a group that knows a peer is gone leaves its oneCCL objects be.
-  if (shm_ && shm_->any_peer_gone()) {
+  // hosts; if rank 0 has already exited (its group broke, or it was killed),
+  // oneCCL throws from a destructor and aborts the process. So a group that
+  // knows a peer is gone, or finds the store silent, leaves its oneCCL
+  // objects be: a leak at the end of a failed job instead of a SIGABRT.
+  if ((shm_ && shm_->any_peer_gone()) || (rank_ != 0 && !kvs_answers(*kvs_, rank_))) {
     static auto* graveyard = new std::vector<std::pair<ccl::communicator, std::shared_ptr<ccl::kvs>>>();
     graveyard->emplace_back(std::move(*comm_), kvs_);
   }

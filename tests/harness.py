@@ -269,6 +269,12 @@ def _entry(fn, rank, world, store_path, results, args, env, pg_timeout, backend)
         results.put((rank, False, traceback.format_exc()))
 
 
+def _exit_name(code):
+    if code is not None and code < 0:
+        return f"with signal {signal.Signals(-code).name}"
+    return f"with code {code}"
+
+
 def run_ranks(fn, world, *args, timeout=180, env=None, pg_timeout=60, backend="ccl"):
     """Runs fn(rank, world, *args) on `world` processes; returns the values by rank.
 
@@ -315,6 +321,10 @@ def run_ranks(fn, world, *args, timeout=180, env=None, pg_timeout=60, backend="c
             problems.append(f"rank {rank}: no result (hung past {timeout} s or died, exit code {procs[rank].exitcode})")
         elif not got[rank][0]:
             problems.append(f"rank {rank} raised:\n{got[rank][1]}")
+        elif procs[rank].exitcode != 0:
+            # Its result arrived, then it died: in destroy_process_group or at exit.
+            problems.append(f"rank {rank}: returned its result, then exited {_exit_name(procs[rank].exitcode)} "
+                            "while destroying its group or exiting")
     if problems:
         raise RankFailure("\n".join(problems))
     return [got[r][1] for r in range(world)]

@@ -53,8 +53,14 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def run(cmd, env, cwd, timeout=600) -> str:
-    """Runs a command in its own session (a timeout kills the ranks too); its output, or exits."""
+def run(cmd, env, cwd, timeout=600, reference=False) -> str:
+    """Runs a command in its own session (a timeout kills the ranks too); its output, or exits.
+
+    reference: the gloo run that only supplies the checksum to compare with. gloo itself can
+    abort at interpreter exit ("terminate called without an active exception", SIGABRT) after
+    its ranks have printed their result; that is torch's teardown, not this package's, so the
+    result stands when both ranks printed it, with a warning.
+    """
     proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -64,6 +70,10 @@ def run(cmd, env, cwd, timeout=600) -> str:
         out, _ = proc.communicate()
         sys.exit(f"{' '.join(map(str, cmd))} did not finish within {timeout} s:\n{out[-4000:]}")
     if proc.returncode:
+        if reference and sorted(checksums(out)) == ["0", "1"] and "(exitcode: -6)" in out:
+            say(f"warning: the gloo reference run aborted at exit after both ranks reported "
+                f"(torch's gloo teardown); its checksums stand:\n{out[-1500:]}")
+            return out
         sys.exit(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{out[-6000:]}")
     return out
 
@@ -128,7 +138,7 @@ def check(torch: str, python: str, wheel: Path, venv: Path) -> dict:
         ("gloo", [*torchrun, free_port(), EXAMPLE, "--backend", "gloo"], {}),
     ):
         t = time.monotonic()
-        out = run(cmd, {**base, **extra}, venv.parent, timeout=300)
+        out = run(cmd, {**base, **extra}, venv.parent, timeout=300, reference=name == "gloo")
         rep[f"{name}_s"] = round(time.monotonic() - t, 1)
         sums[name] = checksums(out)
         if sorted(sums[name]) != ["0", "1"]:

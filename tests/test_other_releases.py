@@ -78,12 +78,14 @@ def _run(cmd, timeout):
 
 
 def _subset_pins(torch):
-    """What SUBSET needs beside the wheel: the release's oneCCL (the build checks) and the
-    build, test and bench groups (the default release's set also holds integrations, which
+    """What SUBSET needs beside the wheel: the release's oneCCL (the build checks), auditwheel and
+    the build, test and bench groups (the default release's set also holds integrations, which
     need a newer Python than some pairs)."""
     rel = next(r for r in META["releases"] if r["torch"] == torch)
-    return [f"oneccl-devel=={rel['oneccl']}", *(pin for group in ("build", "test", "bench")
-                                                  for pin in META["pip"][group]["pins"])]
+    # auditwheel: test_package checks the installed extension's symbol versions with it.
+    auditwheel = [pin for pin in META["pip"]["release"]["pins"] if pin.startswith("auditwheel==")]
+    return [f"oneccl-devel=={rel['oneccl']}", *auditwheel, *(pin for group in ("build", "test", "bench")
+                                                             for pin in META["pip"][group]["pins"])]
 
 
 def _id(pair):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import import_or_require
 from packaging.requirements import Requirement
 import torch.distributed as dist
 
@@ -45,16 +46,17 @@ def test_cwd_version_and_registration():
 
 def test_extension_is_self_contained():
     so = oneccl_bind_pt._C.__file__
-    undefined = subprocess.run(["nm", "-D", "--undefined-only", so], capture_output=True, text=True, check=True).stdout
+    undefined = subprocess.run(["nm", "-D", "--undefined-only", so], capture_output=True, text=True, check=True,
+                               timeout=60).stdout
     assert "_ZN3ccl" not in undefined
-    needed = subprocess.run(["readelf", "-d", so], capture_output=True, text=True, check=True).stdout
+    needed = subprocess.run(["readelf", "-d", so], capture_output=True, text=True, check=True, timeout=60).stdout
     assert "libccl" not in needed and "libsycl" not in needed  # oneCCL is linked in, CPU only
     assert "$ORIGIN/../../.." in needed
 
 
 def _import_with_torch(version, cwd):
     code = f"import torch; torch.__version__ = {version!r}; import oneccl_bind_pt"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=120)
 
 
 def test_other_torch_version_is_refused_with_a_clear_message(tmp_path):
@@ -108,7 +110,7 @@ def test_defaults_never_override_the_user():
 def test_import_in_a_fresh_interpreter(name, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", f"import {name} as m; print(m.__version__, m.cwd)"],
-        capture_output=True, text=True, cwd=tmp_path,  # not the checkout: the installed package
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,  # not the checkout: the installed package
         env={k: v for k, v in os.environ.items() if not k.startswith(("CCL_", "LD_"))},
     )
     assert proc.returncode == 0, proc.stderr
@@ -125,7 +127,7 @@ def test_setvars_sourced_twice_sets_the_environment_once(shell, tmp_path):
               'echo "$LD_LIBRARY_PATH"; echo "$CPLUS_INCLUDE_PATH"')
     env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "LD_LIBRARY_PATH": "/opt/user/lib"}
     out = subprocess.run([shell, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
-                         check=True).stdout.split("\n")  # (dash asks python3 on PATH for the prefix)
+                         check=True, timeout=120).stdout.split("\n")  # (dash asks python3 on PATH for the prefix)
     path = out[0].split(":")
     assert path.count(os.path.join(PREFIX, "bin")) == 1, path
     assert os.path.realpath(out[1]) == os.path.realpath(PREFIX)
@@ -137,9 +139,10 @@ def test_setvars_sourced_twice_sets_the_environment_once(shell, tmp_path):
 
 
 def test_setvars_refuses_to_run_and_documents_itself():
-    proc = subprocess.run(["bash", SETVARS], capture_output=True, text=True)
+    proc = subprocess.run(["bash", SETVARS], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "must be sourced" in proc.stderr
-    helptext = subprocess.run(["bash", "-c", f'. "{SETVARS}" --help'], capture_output=True, text=True).stdout
+    helptext = subprocess.run(["bash", "-c", f'. "{SETVARS}" --help'], capture_output=True, text=True,
+                              timeout=60).stdout
     for var in ("PATH", "I_MPI_ROOT", "CCL_ROOT", "FI_PROVIDER_PATH", "CPLUS_INCLUDE_PATH", "LD_LIBRARY_PATH"):
         assert var in helptext
 
@@ -259,7 +262,7 @@ unset FI_PROVIDER_PATH
 . "{conda}/activate.sh"
 echo "fresh $FI_PROVIDER_PATH"
 """
-    out = subprocess.run([shell, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
+    out = subprocess.run([shell, "-c", script], capture_output=True, text=True, check=True, timeout=120).stdout.split("\n")
     assert out[0] == f"on {tmp_path} {tmp_path} /user/prov"
     assert out[1] == "off unset /user/ccl /user/prov 0"
     assert out[2] == f"fresh {tmp_path}/lib"
@@ -268,12 +271,12 @@ echo "fresh $FI_PROVIDER_PATH"
 def test_extension_symbols_fit_manylinux_2_28():
     """Torch's own tag: no reference to a glibc or libstdc++ symbol version newer than 2.28's
     (src/glibc_compat.cpp wraps the ones a newer build machine binds to)."""
-    pytest.importorskip("auditwheel")
+    import_or_require("auditwheel")
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import build_wheels
 
     so = next(Path(oneccl_bind_pt.cwd).glob("_C*.so"))
     assert build_wheels.pinning_symbols(so, "manylinux_2_28_x86_64") == []
-    needed = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, check=True).stdout
+    needed = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, check=True, timeout=60).stdout
     # glibc 2.28 defines the old pthread/dl versions the wrappers bind to in these libraries.
     assert "[libpthread.so.0]" in needed and "[libdl.so.2]" in needed, needed

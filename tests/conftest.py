@@ -1,6 +1,8 @@
 import os
+from pathlib import Path
 
 import pytest
+import yaml
 
 # `pytest -m quick`: each area once, a few minutes in all (measured: see below). Kept here,
 # in one list, so that the tier can be read (and timed) as a whole.
@@ -19,6 +21,38 @@ QUICK = (
 # tests/test_other_releases.py builds and proves whole releases: its module fixture alone
 # may take hours on a cold cache, above the suite-wide pytest-timeout.
 LONG_FILES = {"test_other_releases.py": 4 * 3600}
+# The order units start in. Under `pytest -n 2` (the README's test command) two run at once:
+# the pairs of test_other_releases.py that build against another torch (4-10 minutes each,
+# much of it pip writing a CUDA torch to disk) alternate with PyTorch's suite and the rest of
+# the files, so the cores stay busy while a pair waits on the disk; a pair on the default
+# torch (about 4 minutes) goes last.
+DEFAULT_TORCH = yaml.safe_load((Path(__file__).parent.parent / "meta" / "releases.yaml").read_text())["default"]
+
+
+def _unit(nodeid):
+    """What one xdist worker runs as a whole: a test file, or one release pair of
+    test_other_releases.py (its module fixture is per pair, so pairs can run side by side)."""
+    path, _, rest = nodeid.partition("::")
+    if os.path.basename(path) == "test_other_releases.py" and "[" in rest:
+        return f"{path}[{rest.split('[', 1)[1]}"
+    return path
+
+
+def _start_order(items):
+    """Sort key: 2k for the k-th pair on another torch (newest first), 1 for PyTorch's suite,
+    then every other file in its order, then the pairs on the default torch."""
+    pairs = sorted({_unit(i.nodeid) for i in items if "[torch" in _unit(i.nodeid)},
+                   key=lambda u: [-int(p) for p in u.split("[torch", 1)[1].split("-")[0].split(".")])
+    longer = [u for u in pairs if f"[torch{DEFAULT_TORCH}-" not in u]
+
+    def key(item):
+        unit = _unit(item.nodeid)
+        if unit in longer:
+            return 2 * longer.index(unit)
+        if item.path.name == "test_pytorch_suite.py":
+            return 1
+        return 10_000 if unit in pairs else 1_000
+    return key
 
 
 def pytest_configure(config):
@@ -37,8 +71,24 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="also run the long variants")
 
 
+@pytest.hookimpl(optionalhook=True)  # the hook exists only with pytest-xdist installed
+def pytest_xdist_make_scheduler(config, log):
+    # `pytest -n 2` (the README's test command): module fixtures (Slurm's daemons, a pair's
+    # venv) are made once, so a unit is a file or a pair, never single tests; and units
+    # start in collection order (_start_order), not by their number of tests.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return ByUnit(config, log)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the marks added here
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_start_order(items))  # stable: within a rank, the collection's order
     if all(os.path.basename(os.path.normpath(a)) == "tests" for a in config.args):  # the whole suite
         stale = set(QUICK) - {item.nodeid for item in items}
         if stale:

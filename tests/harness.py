@@ -61,11 +61,17 @@ def apt_install(packages: tuple[str, ...], programs: tuple[str, ...]) -> str | N
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         return f"needs {' '.join(packages)}: {' '.join(cmd)} (as root)"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    if subprocess.run(cmd, capture_output=True, env=env, timeout=900).returncode != 0:
-        subprocess.run(["apt-get", "update"], capture_output=True, env=env, timeout=900)
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-        if r.returncode != 0:
-            return f"{' '.join(cmd)} failed: {r.stderr.strip()[-300:]}"
+    # Test files run side by side (pytest -n 2) and apt holds dpkg's lock: one install at a
+    # time here, and apt itself waits for a lock another program holds instead of failing.
+    wait = ["-o", "DPkg::Lock::Timeout=600"]
+    with filelock.FileLock(Path(tempfile.gettempdir()) / "oneccl_bind_pt-test-apt.lock", timeout=1200):
+        if present():
+            return None
+        if subprocess.run([cmd[0], *wait, *cmd[1:]], capture_output=True, env=env, timeout=900).returncode != 0:
+            subprocess.run(["apt-get", *wait, "update"], capture_output=True, env=env, timeout=900)
+            r = subprocess.run([cmd[0], *wait, *cmd[1:]], capture_output=True, text=True, env=env, timeout=900)
+            if r.returncode != 0:
+                return f"{' '.join(cmd)} failed: {r.stderr.strip()[-300:]}"
     return None if present() else f"{' '.join(packages)} installed but {list(programs)} not found"
 
 

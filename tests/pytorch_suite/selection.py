@@ -89,26 +89,23 @@ CI_WS2 = (
     "test_get_backend",
 )
 
-# World size 3: what a third rank changes. Roots other than 0 and uneven
-# shares, rank 0 against two peers in p2p (any source picks among two),
-# groups that leave a rank out, the barrier timing out with two absent peers.
+# World size 3: only what a third rank changes, as PyTorch's own cases check it: roots
+# other than 0 and uneven shares (broadcast, reduce, gather, scatter loop over every
+# root), any source choosing between two senders, batched p2p with two peers, groups
+# that leave a rank out, the barrier timing out with two absent peers. The rest of
+# what a third rank could change (every op, dtype and transport at 3 and 4 ranks) is
+# tests/test_matrix.py's, compared with gloo; DDP at 3 ranks is in
+# tests/test_pytorch_features.py.
 CI_WS3 = (
-    "test_all_reduce_sum",
-    "test_all_reduce_coalesced_sum",
     "test_broadcast",
     "test_reduce_sum",
-    "test_all_gather",
-    "test_all_gather_coalesced_simple",
     "test_gather",
     "test_scatter",
     "test_barrier_timeout_global",
-    "test_send_recv",
     "test_send_recv_any_source",
-    "test_isend",
     "test_batch_isend_irecv_gloo",
     "test_get_rank_size_group",
     "test_all_gather_object_subgroup",
-    "test_DistributedDataParallelCPU",
 )
 
 # One case per area, world size 2, about a minute: for an environment built
@@ -127,11 +124,11 @@ PLANS = {
     plan.name: plan
     for plan in (
         # min_passed: every case of these lists passes on ccl with torch 2.13.0 (ci-ws3:
-        # 16 of 16 measured), less a margin of about a tenth for what another release
+        # 9 of 9 measured), less a margin of about a tenth for what another release
         # may skip; the full plans: 91 cases spawn ranks, of which 4 are known_issues.py's.
         Plan("smoke", 2, SMOKE, timeout=20 * 60, case_timeout=120, min_passed=5),
         Plan("ci-ws2", 2, CI_WS2, quick=True, timeout=45 * 60, case_timeout=120, min_passed=39),
-        Plan("ci-ws3", 3, CI_WS3, quick=True, timeout=30 * 60, case_timeout=120, min_passed=14),
+        Plan("ci-ws3", 3, CI_WS3, quick=True, timeout=30 * 60, case_timeout=120, min_passed=8),
         Plan("full-ws2", 2, None, min_passed=78),
         Plan("full-ws3", 3, None, min_passed=78),
     )

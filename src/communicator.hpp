@@ -1,11 +1,11 @@
-// Communicators: the process-wide oneCCL runtime and one communicator per
-// process group, created once at group construction and shared by every op
-// (and every in-flight Work) of that group. A group whose ranks share a host
-// also gets the shared-memory transport (shm.hpp); this file holds the
-// oneCCL one (start_oneccl).
+// Communicators: one per process group, created once at group construction
+// and shared by every op (and every in-flight Work) of that group. It holds
+// the group's oneCCL communicator and its transports: the oneCCL one
+// (transport_ccl.hpp) always, shared memory (shm.hpp) when every rank of the
+// group is on this host (route.hpp says which runs what).
 #pragma once
 
-#include "transport.hpp"
+#include "transport_ccl.hpp"
 
 #include <oneapi/ccl.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -22,14 +22,6 @@
 namespace oneccl_bind_pt {
 
 class Shm;
-
-// The oneCCL transport: issues each Prim as one non-blocking oneCCL call.
-// Throws if oneCCL rejects the first; a later rejection surfaces from poll().
-std::unique_ptr<Pending> start_oneccl(ccl::communicator& comm, const char* op, std::vector<Prim> prims);
-
-// oneCCL reads its environment once, here; the Python package sets its
-// defaults before the first group is created.
-void ensure_ccl_initialized();
 
 class Communicator {
  public:
@@ -66,7 +58,8 @@ class Communicator {
   int size_;
   std::shared_ptr<ccl::kvs> kvs_;
   std::optional<ccl::communicator> comm_;
-  std::unique_ptr<Shm> shm_;
+  std::unique_ptr<CclTransport> ccl_; // after comm_, which it refers to
+  std::unique_ptr<Shm> shm_;          // after ccl_, which it hands large steps to
   std::atomic<bool> broken_{false};
   std::atomic<bool> has_hooks_{false};
   mutable std::mutex hooks_mutex_;

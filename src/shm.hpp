@@ -21,10 +21,10 @@
 // with an unexpected-message queue; a recv may take any source.
 #pragma once
 
+#include "route.hpp"
 #include "transport.hpp"
 
-#include <oneapi/ccl.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
 #include <cstddef>
@@ -36,26 +36,17 @@
 #include <string>
 #include <vector>
 
+namespace c10d {
+class Store;
+} // namespace c10d
+
 namespace oneccl_bind_pt {
-
-struct ShmLimits {
-  // Largest bytes a rank stages for one step of each kind; above, oneCCL.
-  size_t allreduce, reduce, broadcast, allgather, alltoall, reduce_scatter;
-  size_t max() const;
-  size_t of(Prim::Kind kind) const;
-  // From ONECCL_BIND_PT_SHM_MAX_BYTES (one value for every kind) or the
-  // measured defaults.
-  static ShmLimits from_env();
-};
-
-// Whether the shared-memory transport is on (ONECCL_BIND_PT_SHM, default 1).
-bool shm_enabled();
 
 class ShmPending;
 class ShmRecv;
 class ShmSend;
 
-class Shm {
+class Shm final : public Transport {
  public:
   // Collective over the group: returns nullptr (on every rank alike) unless
   // all ranks run on this host and each could map every peer's segment.
@@ -64,12 +55,11 @@ class Shm {
       int rank,
       int size,
       std::chrono::milliseconds timeout,
-      ccl::communicator* ccl);
-  ~Shm();
+      Transport* fallback);
+  ~Shm() override;
 
-  // Starts `prims` (collectives of one op, or one send/recv). `op` names the
-  // op in errors and in the signature peers compare.
-  std::unique_ptr<Pending> start(const char* op, std::vector<Prim> prims);
+  // `op` also goes into the signature peers compare.
+  std::unique_ptr<Pending> start(const char* op, std::vector<Prim> prims) override;
 
   const ShmLimits& limits() const { return limits_; }
   // Whether a peer's process has exited (or is a zombie).
@@ -86,7 +76,9 @@ class Shm {
   friend class ShmRecv;
   friend class ShmSend;
 
-  Shm(int rank, int size, ccl::communicator* ccl);
+  Shm(int rank, int size, Transport* fallback);
+  std::unique_ptr<Pending> start_collective(const char* op, std::vector<Prim> prims);
+  std::unique_ptr<Pending> start_p2p(const Prim& p);
 
   // send/recv engine (under the progress lock, like everything here)
   void progress_p2p();
@@ -106,7 +98,7 @@ class Shm {
 
   int rank_;
   int size_;
-  ccl::communicator* ccl_; // for steps above the limits
+  Transport* fallback_; // oneCCL, for steps above the limits
   ShmLimits limits_;
   std::unique_ptr<Layout> layout_;
   std::vector<char*> bases_; // every rank's segment, mapped; ours at rank_

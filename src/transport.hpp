@@ -5,11 +5,11 @@
 // (allreduce, reduce, broadcast, allgatherv, alltoallv, reduce_scatter,
 // send, recv, barrier). A Transport starts them and hands back a Pending that
 // the progress engine polls:
-//  - OneCCL (transport_ccl.cpp): one non-blocking oneCCL call per Prim;
-//  - Shm (shm.hpp): shared memory between the ranks of a group on one host.
+//  - CclTransport (transport_ccl.hpp): one non-blocking oneCCL call per Prim;
+//  - Shm (shm.hpp): shared memory between the ranks of a group on one host,
+//    handing a step above its size limit to the oneCCL transport.
+// Which one runs what is decided in route.hpp.
 #pragma once
-
-#include "reduce_ops.hpp"
 
 #include <c10/core/ScalarType.h>
 
@@ -20,6 +20,8 @@
 #include <vector>
 
 namespace oneccl_bind_pt {
+
+struct Reduction; // reduce_ops.hpp
 
 struct Prim {
   enum class Kind : uint8_t {
@@ -39,7 +41,20 @@ struct Prim {
   std::shared_ptr<const Reduction> red; // reductions only
 };
 
-const char* prim_name(Prim::Kind kind);
+inline const char* prim_name(Prim::Kind kind) {
+  switch (kind) {
+    case Prim::Kind::Allreduce: return "allreduce";
+    case Prim::Kind::Reduce: return "reduce";
+    case Prim::Kind::Broadcast: return "broadcast";
+    case Prim::Kind::Allgatherv: return "allgatherv";
+    case Prim::Kind::Alltoallv: return "alltoallv";
+    case Prim::Kind::ReduceScatter: return "reduce_scatter";
+    case Prim::Kind::Send: return "send";
+    case Prim::Kind::Recv: return "recv";
+    case Prim::Kind::Barrier: return "barrier";
+  }
+  return "?";
+}
 
 // A started set of Prims. poll() advances them without blocking and returns
 // true once all are done; it throws (with the op named) when one failed.
@@ -52,6 +67,15 @@ class Pending {
   // Whether the transport may still read or write the op's buffers after a
   // timeout (oneCCL may; shared memory stops when we stop polling).
   virtual bool buffers_in_use_after_abort() const { return true; }
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  // Starts `prims` (the collectives of one op, or one send/recv). `op` names
+  // the op in errors. Throws if nothing could start; the group stays usable.
+  // Caller holds Progress's lock.
+  virtual std::unique_ptr<Pending> start(const char* op, std::vector<Prim> prims) = 0;
 };
 
 } // namespace oneccl_bind_pt

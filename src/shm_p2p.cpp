@@ -1,0 +1,251 @@
+#include "shm_internal.hpp"
+
+#include "errors.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace oneccl_bind_pt {
+
+// ---- send / recv ----------------------------------------------------------------
+
+
+class ShmSend final : public Pending {
+ public:
+  ShmSend(Shm& shm, const Prim& p) : shm_(shm), peer_(p.peer), tag_(p.tag), src_(static_cast<const char*>(p.src)), bytes_(p.count) {
+    shm_.sends_[peer_].push_back(this);
+  }
+  ~ShmSend() override {
+    auto& q = shm_.sends_[peer_];
+    q.erase(std::remove(q.begin(), q.end(), this), q.end());
+  }
+  bool poll() override {
+    shm_.progress_p2p();
+    if (!done_ && Clock::now() > next_check_) {
+      next_check_ = Clock::now() + std::chrono::milliseconds(100);
+      shm_.check_peer_alive(peer_, "send");
+    }
+    return done_;
+  }
+  bool buffers_in_use_after_abort() const override { return false; }
+
+ private:
+  friend class Shm;
+  Shm& shm_;
+  int peer_;
+  int tag_;
+  const char* src_;
+  size_t bytes_;
+  size_t sent_ = 0;
+  uint64_t msg_ = 0;
+  bool done_ = false;
+  Clock::time_point next_check_ = Clock::now() + kLivenessAfter;
+};
+
+class ShmRecv final : public Pending {
+ public:
+  ShmRecv(Shm& shm, const Prim& p) : shm_(shm), peer_(p.peer), tag_(p.tag), dst_(static_cast<char*>(p.dst)), bytes_(p.count) {}
+  ~ShmRecv() override {
+    shm_.posted_.remove(this);
+    if (in_) {
+      in_->recv = nullptr; // still streaming: the rest is read and dropped
+    }
+  }
+  bool poll() override {
+    if (!done_) {
+      shm_.progress_p2p();
+    }
+    if (!done_ && peer_ >= 0 && Clock::now() > next_check_) {
+      next_check_ = Clock::now() + std::chrono::milliseconds(100);
+      shm_.check_peer_alive(peer_, "recv");
+    }
+    if (done_ && !error_.empty()) {
+      throw CollectiveMismatch({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, error_);
+    }
+    return done_;
+  }
+  int source_rank() const override { return source_; }
+  bool buffers_in_use_after_abort() const override { return false; }
+
+  bool matches(int source, int tag) const { return (peer_ < 0 || peer_ == source) && tag_ == tag; }
+
+  // Takes a message: checks its size, then it is copied in as it streams.
+  void bind(Shm::Incoming& in) {
+    in_ = &in;
+    in.recv = this;
+    source_ = in.source;
+    if (in.total != bytes_) {
+      error_ = "ccl recv: the message from rank " + std::to_string(in.source) + " (tag " +
+          std::to_string(in.tag) + ") has " + std::to_string(in.total) + " bytes but the receive tensor holds " +
+          std::to_string(bytes_) + "; the message was consumed and dropped";
+    }
+  }
+  void write(uint64_t offset, const char* data, uint64_t n) {
+    if (error_.empty() && n > 0) {
+      std::memcpy(dst_ + offset, data, n);
+    }
+  }
+  void finish() {
+    in_ = nullptr;
+    done_ = true;
+  }
+
+ private:
+  Shm& shm_;
+  int peer_;
+  int tag_;
+  char* dst_;
+  size_t bytes_;
+  int source_ = -1;
+  bool done_ = false;
+  std::string error_;
+  Shm::Incoming* in_ = nullptr;
+  Clock::time_point next_check_ = Clock::now() + kLivenessAfter;
+};
+
+
+
+void Shm::pump_sends(int dst) {
+  auto& queue = sends_[dst];
+  uint64_t* head = ring_head(rank_, dst);
+  const uint64_t* tail = ring_tail(dst, rank_);
+  while (!queue.empty()) {
+    ShmSend* s = queue.front();
+    if (s->msg_ == 0) {
+      s->msg_ = ++next_msg_[dst];
+    }
+    while (true) {
+      const uint64_t h = *head; // only we write it
+      if (h - load_acquire(tail) >= kSlots) {
+        return; // ring full: the receiver has not caught up
+      }
+      const size_t n = std::min(kSlotBytes, s->bytes_ - s->sent_);
+      SlotHeader* hdr = slot(rank_, dst, h);
+      hdr->msg = s->msg_;
+      hdr->tag = s->tag_;
+      hdr->total = s->bytes_;
+      hdr->offset = s->sent_;
+      hdr->bytes = n;
+      hdr->last = s->sent_ + n == s->bytes_ ? 1 : 0;
+      if (n > 0) {
+        std::memcpy(reinterpret_cast<char*>(hdr) + kLine, s->src_ + s->sent_, n);
+      }
+      s->sent_ += n;
+      store_release(head, h + 1);
+      if (hdr->last) {
+        s->done_ = true;
+        queue.pop_front();
+        break;
+      }
+    }
+  }
+}
+
+void Shm::pump_incoming(int src) {
+  const uint64_t* head = ring_head(src, rank_);
+  uint64_t* tail = ring_tail(rank_, src);
+  while (true) {
+    const uint64_t t = *tail; // only we write it
+    if (t == load_acquire(head)) {
+      return;
+    }
+    const SlotHeader* hdr = slot(src, rank_, t);
+    if (hdr->offset == 0) {
+      // A new message: the earliest posted recv that matches takes it.
+      auto in = std::make_unique<Incoming>(Incoming{src, hdr->tag, hdr->total});
+      for (ShmRecv* r : posted_) {
+        if (r->matches(src, hdr->tag)) {
+          posted_.remove(r);
+          r->bind(*in);
+          break;
+        }
+      }
+      if (!in->recv) {
+        in->held.resize(hdr->total);
+        unexpected_.push_back(std::move(in));
+        current_in_[src] = nullptr;
+      } else {
+        current_in_[src] = std::move(in);
+      }
+    }
+    // The message mid-stream from src: a bound one, or the last unexpected one.
+    Incoming* in = current_in_[src].get();
+    if (!in) {
+      for (auto it = unexpected_.rbegin(); it != unexpected_.rend(); ++it) {
+        if ((*it)->source == src && !(*it)->complete) {
+          in = it->get();
+          break;
+        }
+      }
+    }
+    const char* data = reinterpret_cast<const char*>(hdr) + kLine;
+    if (in) {
+      if (in->recv) {
+        in->recv->write(hdr->offset, data, hdr->bytes);
+      } else if (!in->held.empty() || hdr->bytes == 0) {
+        if (hdr->bytes > 0) {
+          std::memcpy(in->held.data() + hdr->offset, data, hdr->bytes);
+        }
+      }
+      in->received += hdr->bytes;
+    }
+    const bool last = hdr->last != 0;
+    store_release(tail, t + 1);
+    if (last && in) {
+      in->complete = true;
+      if (in->recv) {
+        in->recv->finish();
+      }
+      if (current_in_[src].get() == in) {
+        current_in_[src].reset();
+      } else if (in->recv) {
+        // An unexpected message a recv claimed while it streamed: the recv
+        // has read the chunks as they came; drop the entry.
+        unexpected_.remove_if([in](const std::unique_ptr<Incoming>& u) { return u.get() == in; });
+      }
+    }
+  }
+}
+
+void Shm::progress_p2p() {
+  for (int q = 0; q < size_; ++q) {
+    if (q == rank_) {
+      continue;
+    }
+    if (!sends_[q].empty()) {
+      pump_sends(q);
+    }
+    pump_incoming(q);
+  }
+}
+
+// One send or recv; a recv first takes a message that came before it, from a
+// matching source and tag, in arrival order.
+std::unique_ptr<Pending> Shm::start_p2p(const Prim& p) {
+  if (p.kind == Prim::Kind::Send) {
+    return std::make_unique<ShmSend>(*this, p);
+  }
+  auto recv = std::make_unique<ShmRecv>(*this, p);
+  for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
+    Incoming& in = **it;
+    if (in.recv || !recv->matches(in.source, in.tag)) {
+      continue;
+    }
+    recv->bind(in);
+    if (in.complete) {
+      recv->write(0, in.held.data(), in.held.size());
+      recv->finish();
+      unexpected_.erase(it);
+    } else {
+      // Still streaming: copy what has come; pump_incoming writes the rest.
+      recv->write(0, in.held.data(), in.received);
+    }
+    return recv;
+  }
+  posted_.push_back(recv.get());
+  return recv;
+}
+
+} // namespace oneccl_bind_pt

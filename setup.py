@@ -131,6 +131,15 @@ class BuildPy(build_py):
         )
 
 
+PCH = HERE / "src" / "precompiled.hpp"
+
+
+def uses_pch(src: Path) -> bool:
+    """Every unit that includes a header of src/ (so torch's or oneCCL's); not the two shims that
+    include system headers only: they define wrapped C library symbols and must not see torch."""
+    return bool(re.search(r'^#include "', src.read_text(), re.M))
+
+
 def ninja_compile(compiler, build_dir):
     """A compile() for the compiler object that builds every object with ninja: in parallel,
     and again only when a source or a header it includes changed (gcc's depfiles), which
@@ -149,12 +158,28 @@ def ninja_compile(compiler, build_dir):
                  f"builddir = {esc(build_dir.resolve())}",
                  f"flags = {shlex.join([*cxx, *cc_args, *extra_postargs])}",
                  "rule cxx",
-                 "  command = $flags -MMD -MF $out.d -c $in -o $out",
+                 "  command = $flags $pch -MMD -MF $out.d -c $in -o $out",
                  "  depfile = $out.d",
                  "  deps = gcc",
                  "  description = c++ $in"]
-        lines += [f"build {esc(obj)}: cxx {esc(Path(src).resolve())}" for obj, (src, _) in build.items()]
-        build_dir.mkdir(parents=True, exist_ok=True)
+        # The precompiled header: gcc takes <dir>/precompiled.hpp.gch in place of the copy beside it
+        # when the flags match (else it reads the copy: slower, same result).
+        header = build_dir / "pch" / PCH.name
+        gch = header.with_name(PCH.name + ".gch")
+        lines += ["rule pch",
+                  "  command = cp $in $header && $flags -x c++-header -MMD -MF $out.d $header -o $out",
+                  "  depfile = $out.d",
+                  "  deps = gcc",
+                  "  description = precompiled header",
+                  f"build {esc(gch.resolve())}: pch {esc(PCH)}",
+                  f"  header = {esc(header.resolve())}"]
+        for obj, (src, _) in build.items():
+            if uses_pch(Path(src)):
+                lines += [f"build {esc(obj)}: cxx {esc(Path(src).resolve())} | {esc(gch.resolve())}",
+                          f"  pch = -include {esc(header.resolve())} -Winvalid-pch"]
+            else:
+                lines += [f"build {esc(obj)}: cxx {esc(Path(src).resolve())}"]
+        header.parent.mkdir(parents=True, exist_ok=True)
         ninja_file = build_dir / "build.ninja"
         text = "\n".join(lines) + "\n"
         if not ninja_file.exists() or ninja_file.read_text() != text:

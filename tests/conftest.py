@@ -1,8 +1,6 @@
 import os
-from pathlib import Path
 
 import pytest
-import yaml
 
 # `pytest -m quick`: each area once, a few minutes in all (measured: see below). Kept here,
 # in one list, so that the tier can be read (and timed) as a whole.
@@ -22,12 +20,9 @@ QUICK = (
 # may take hours on a cold cache, above the suite-wide pytest-timeout.
 LONG_FILES = {"test_other_releases.py": 4 * 3600}
 # The order units start in. Under `pytest -n 2` (the README's test command) two run at once:
-# the pairs of test_other_releases.py that build against another torch (4-10 minutes each,
-# much of it pip writing a CUDA torch to disk) alternate with PyTorch's suite and the rest of
-# the files, so the cores stay busy while a pair waits on the disk; a pair on the default
-# torch (about 4 minutes) goes last.
-DEFAULT_TORCH = yaml.safe_load((Path(__file__).parent.parent / "meta" / "releases.yaml").read_text())["default"]
-
+# the pairs of test_other_releases.py (4-10 minutes each, much of it pip writing a CUDA torch
+# to disk) alternate with the longest files, so the cores stay busy while a pair waits on the
+# disk, and the many short files fill the end.
 
 def _unit(nodeid):
     """What one xdist worker runs as a whole: a test file, or one release pair of
@@ -38,20 +33,25 @@ def _unit(nodeid):
     return path
 
 
+# The longest files after the pairs (measured, under load: conda 6-11 min, DeepSpeed's op
+# build 3 min, PyTorch's suite 2 min), interleaved with the pairs so two workers end together.
+EARLY_FILES = ("test_conda.py", "test_deepspeed.py", "test_pytorch_suite.py")
+
+
 def _start_order(items):
-    """Sort key: 2k for the k-th pair on another torch (newest first), 1 for PyTorch's suite,
-    then every other file in its order, then the pairs on the default torch."""
+    """Sort key: 2k for the k-th (torch, Python) pair (newest torch first), 2k+1 for the k-th of
+    EARLY_FILES, then every other file in its order: the long units first, so that the short
+    ones fill the end."""
     pairs = sorted({_unit(i.nodeid) for i in items if "[torch" in _unit(i.nodeid)},
                    key=lambda u: [-int(p) for p in u.split("[torch", 1)[1].split("-")[0].split(".")])
-    longer = [u for u in pairs if f"[torch{DEFAULT_TORCH}-" not in u]
 
     def key(item):
         unit = _unit(item.nodeid)
-        if unit in longer:
-            return 2 * longer.index(unit)
-        if item.path.name == "test_pytorch_suite.py":
-            return 1
-        return 10_000 if unit in pairs else 1_000
+        if unit in pairs:
+            return 2 * pairs.index(unit)
+        if item.path.name in EARLY_FILES:
+            return 2 * EARLY_FILES.index(item.path.name) + 1
+        return 1_000
     return key
 
 

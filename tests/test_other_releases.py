@@ -13,8 +13,8 @@ release is made and installed:
    trains on "ccl" (the entry point).
 3. That venv then gets the release's test pins, and its pytest runs SUBSET against the
    installed wheel: the package and build checks, the c10d API the release added, the op x
-   dtype matrix on 2 ranks through both transports, async, errors, DDP and FSDP training,
-   torchrun and the smoke plan of PyTorch's distributed suite. A release's C++ API differs
+   dtype matrix on 2 ranks through both transports, async, errors, FSDP training and the
+   smoke plan of PyTorch's distributed suite (DDP under torchrun and mpirun was step 2's). A release's C++ API differs
    in src/compat.hpp only, so what the subset leaves out (3 and 4 ranks, more launchers,
    integrations) runs the same code. A pair on the default release's torch (another
    Python) runs SAME_RELEASE_SUBSET.
@@ -47,9 +47,8 @@ SUBSET = [
     "tests/test_matrix.py", "-k", "not test_case or 2-shm or 2-oneccl",
     "tests/test_async.py",
     "tests/test_errors.py",
-    "tests/test_training.py::test_ddp_matches_gloo",
+    # DDP against gloo under torchrun and mpirun is check_wheel's (step 2), not repeated here.
     "tests/test_examples.py::test_fsdp_example_trains_like_one_process_on_the_whole_batch",
-    "tests/test_launchers.py::test_torchrun_ddp_example",
     # PyTorch's own suite, its smoke plan (6 cases against gloo; marked slow at home).
     "tests/test_pytorch_suite.py::test_ccl_matches_gloo[smoke]", "--runslow",
 ]
@@ -57,12 +56,12 @@ SUBSET = [
 
 # A pair on the default release's torch differs from the main run only in its interpreter
 # (the same C++ against the same torch headers): the package checks, async, errors and DDP
-# against its installed wheel, not the whole subset again (about 4 minutes of CI).
+# against its installed wheel (DDP is check_wheel's), not the whole subset again (about 4
+# minutes of CI).
 SAME_RELEASE_SUBSET = [
     "tests/test_package.py",
     "tests/test_async.py",
     "tests/test_errors.py",
-    "tests/test_training.py::test_ddp_matches_gloo",
 ]
 
 

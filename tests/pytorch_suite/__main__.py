@@ -26,7 +26,7 @@ def _run(args) -> int:
         for backend in args.backend:
             stem = out / f"{backend}-ws{world}"
             run = run_suite(backend, world, select=args.case or None, case_timeout=args.case_timeout,
-                            init_method=args.init_method, junit_xml=stem.with_suffix(".xml"),
+                            init_method=args.init_method, start=args.start, junit_xml=stem.with_suffix(".xml"),
                             log=stem.with_suffix(".log"))
             run.save(stem.with_suffix(".json"))
             print(f"{backend} world size {world}: {run.counts()} in {run.wall_seconds:.0f} s"
@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     run.add_argument("--case", nargs="*", help="only these cases (test_... names)")
     run.add_argument("--case-timeout", type=int, default=DEFAULT_CASE_TIMEOUT)
     run.add_argument("--init-method", choices=["file", "env"], default="file")
+    run.add_argument("--start", choices=["spawn", "fork"], default="spawn",
+                     help="how a case starts its ranks (spawn: as torch's CI)")
     run.add_argument("--out", required=True)
     run.set_defaults(fn=_run)
     check = sub.add_parser("check", help="run a plan of selection.py; exit 1 on a problem")

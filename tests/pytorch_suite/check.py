@@ -21,10 +21,12 @@ def check_plan(plan: Plan) -> list[str]:
     the machine is at fault); a listed case that ccl now passes (remove the
     entry, so the list stays true); a run that stopped early.
     """
-    ccl = run_suite("ccl", plan.world_size, select=plan.cases, timeout=plan.timeout, case_timeout=plan.case_timeout)
+    ccl = run_suite("ccl", plan.world_size, select=plan.cases, timeout=plan.timeout, case_timeout=plan.case_timeout,
+                    start=plan.start)
     known = {name for name, k in known_issues.KNOWN.items() if plan.world_size in k.world_sizes}
     again = sorted(name for name, case in ccl.cases.items() if case.outcome != PASSED and name not in known)
-    gloo = (run_suite("gloo", plan.world_size, select=again, timeout=plan.timeout, case_timeout=plan.case_timeout)
+    gloo = (run_suite("gloo", plan.world_size, select=again, timeout=plan.timeout, case_timeout=plan.case_timeout,
+                      start=plan.start)
             if again else None)
     return judge(plan, ccl, gloo)
 

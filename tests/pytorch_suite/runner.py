@@ -118,11 +118,15 @@ def run_suite(
     timeout: float | None = None,
     junit_xml: Path | None = None,
     log: Path | None = None,
+    start: str = "spawn",
 ) -> SuiteRun:
     """Runs the suite's cases (all, or the names in `select`) on `backend`.
 
     case_timeouts: seconds for particular cases (default: short ones for the known hangs).
+    start: how a case starts its ranks, "spawn" (as torch's CI) or "fork" (selection.Plan.start).
     """
+    if start not in ("spawn", "fork"):
+        raise ValueError(f"start must be 'spawn' or 'fork', not {start!r}")
     if select is not None and not select:
         raise ValueError("select names no case (None runs them all)")
     if case_timeouts is None:
@@ -147,6 +151,7 @@ def run_suite(
             "-o", "junit_logging=log",
         ]
         env = suite_env(backend, world_size, tmp / "run", case_timeout, init_method, case_timeouts)
+        env["PYTORCH_SUITE_START"] = start
         start = time.monotonic()
         out_file = open(log, "w+") if log else tempfile.TemporaryFile("w+")
         with out_file:

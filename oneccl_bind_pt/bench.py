@@ -43,7 +43,15 @@ import torch
 import torch.distributed as dist
 
 OPS = ["allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "sendrecv"]
-BACKENDS = ["ccl", "pg", "oneccl", "gloo", "raw", "copy"]
+BACKENDS = ["ccl", "pg", "oneccl", "gloo", "raw", "copy", "staged", "single"]
+DEFAULT_BACKENDS = ["ccl", "pg", "oneccl", "gloo", "raw", "copy"]
+# ccl groups made with one setting of the shared-memory transport changed (the setting is
+# read when a group is created), called through torch.distributed like `ccl`.
+GROUP_ENV = {
+    "oneccl": {"ONECCL_BIND_PT_SHM": "0"},                       # every collective through oneCCL
+    "staged": {"ONECCL_BIND_PT_SHM_SINGLE_COPY": "0"},           # shared memory, never single copy
+    "single": {"ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES": "0"},     # shared memory, single copy at every size
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRESETS = {
     # The comparison the README quotes: a few sizes, every op, under 3 minutes.
@@ -262,18 +270,30 @@ def summarize(case, dtype_name, backend, times, correct, world):
 
 
 def oneccl_group(world):
-    """A ccl group with the shared-memory transport off: today's oneCCL path."""
-    os.environ["ONECCL_BIND_PT_SHM"] = "0"
+    """A ccl group with the shared-memory transport off: every collective through oneCCL."""
+    return group_with(world, GROUP_ENV["oneccl"])
+
+
+def group_with(world, env):
+    """A ccl group created with `env` set (GROUP_ENV)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         return dist.new_group(list(range(world)))
     finally:
-        del os.environ["ONECCL_BIND_PT_SHM"]
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def benchmark(args, rank, world):
     gloo_group = dist.new_group(backend="gloo")
-    groups = {"ccl": dist.group.WORLD, "gloo": gloo_group, "oneccl": oneccl_group(world)}
     backends = [b for b in args.backends if b in BACKENDS]
+    groups = {"ccl": dist.group.WORLD, "gloo": gloo_group}
+    # In the same order on every rank (new_group is collective), only those asked for.
+    groups.update({b: group_with(world, env) for b, env in GROUP_ENV.items() if b in backends})
     points = [
         (op, dt, size)
         for op in args.ops
@@ -413,7 +433,9 @@ def parse_args(argv=None):
     p.add_argument("--min-bytes", default="4", help="smallest message (e.g. 4, 4K, 1M)")
     p.add_argument("--max-bytes", default="64M", help="largest message")
     p.add_argument("--factor", type=int, default=4, help="size step (2 or 4)")
-    p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: " + ", ".join(BACKENDS))
+    p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
+                   help="comma-separated: " + ", ".join(BACKENDS) + " (default: %(default)s; staged and single: "
+                   "the shared-memory transport with single copy off, and on at every size)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named selection of ops and sizes")
     p.add_argument("--seconds", type=float, default=0.2, help="time spent per backend per point")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds per point")

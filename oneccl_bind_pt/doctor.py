@@ -71,6 +71,7 @@ def _selftest_rank(rank, world, store_path, results):
     ok = ok and b.tolist() == [float(world - 1)] * 3
     pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     paths = {op: [pg._path(op, n) for n in PATH_SIZES] for op in PATH_OPS}
+    paths["single copy"] = pg._single_copy()
     results.put((rank, ok, dict(_env.applied), paths))
     dist.destroy_process_group()
 
@@ -118,12 +119,17 @@ def _human(n: int) -> str:
 
 def _print_paths(paths: dict) -> None:
     """Which transport each op takes at each size, for a group on this host."""
-    print("transport        per op and bytes per rank, ranks on this host "
-          "(shm: shared memory; oneccl: oneCCL; ONECCL_BIND_PT_SHM=0 turns shm off,")
-    print("                 ONECCL_BIND_PT_SHM_MAX_BYTES sets the crossover)")
+    paths = dict(paths)
+    single = paths.pop("single copy", None)
+    print("transport        per op and bytes per rank, ranks on this host (shm: staged through shared")
+    print("                 memory; cma: read from the peers' tensors, single copy; oneccl: oneCCL;")
+    print("                 ONECCL_BIND_PT_SHM=0 turns shm off, ONECCL_BIND_PT_SHM_MAX_BYTES and")
+    print("                 ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES set the crossovers)")
     print(f"                 {'op':<16}" + "".join(f"{_human(n):>9}" for n in PATH_SIZES))
     for op, where in paths.items():
         print(f"                 {op:<16}" + "".join(f"{w:>9}" for w in where))
+    if single is not None:
+        print(f"single copy      {single}")
 
 
 def main(argv=None) -> int:

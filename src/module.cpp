@@ -69,7 +69,13 @@ PYBIND11_MODULE(_C, m) {
           &oneccl_bind_pt::ProcessGroupCCL::path,
           py::arg("kind"),
           py::arg("nbytes"),
-          "'shm' or 'oneccl': the transport a collective of this kind and size per rank takes.");
+          "'shm', 'cma' or 'oneccl': how a collective of this kind and size per rank moves "
+          "(staged through shared memory, read from the peers' tensors, or through oneCCL).")
+      .def(
+          "_single_copy",
+          &oneccl_bind_pt::ProcessGroupCCL::single_copy_status,
+          "'on' when this group's ranks may read each other's tensors (single copy), else "
+          "'off: <why>'.");
 
   m.def(
       "_shutdown",

@@ -43,6 +43,10 @@ std::string ProcessGroupCCL::path(const std::string& kind, size_t nbytes) const 
   return {};
 }
 
+std::string ProcessGroupCCL::single_copy_status() const {
+  return comm_->shm() ? comm_->shm()->single_copy_status() : "off: no shared memory on this group";
+}
+
 // The one path every op takes: a Work, its Prims started on the group's
 // transport, and, when they finish at once (small ops on shared memory
 // often do), completion without a trip through the progress engine.

@@ -126,6 +126,7 @@ class ProcessGroupCCL : public c10d::Backend {
   // Which transport ("shm" or "oneccl") a collective of `kind` moving
   // `nbytes` per rank takes on this group (for the doctor and the tests).
   std::string path(const std::string& kind, size_t nbytes) const;
+  std::string single_copy_status() const;
 
  private:
   struct Call;

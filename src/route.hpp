@@ -3,9 +3,16 @@
 //
 // A process group gets the shared-memory transport when ONECCL_BIND_PT_SHM is
 // not off (shm_enabled) and every rank is on this host (Shm::connect); all
-// its ops then start there. A collective step that stages more than its
-// kind's limit runs through the oneCCL transport instead; send/recv and the
-// barrier always stay. Groups without shared memory use oneCCL for all.
+// its ops then start there. There a collective step runs one of three ways:
+//  - shm: through the staging buffers of the segments (two copies per byte:
+//    into the sender's buffer, out of it), best for small messages;
+//  - cma: single copy, each rank reading its peers' tensors directly
+//    (process_vm_readv), from a size per kind on, when the group can (every
+//    rank may read every peer's memory: Shm::connect probes it);
+//  - oneccl: the oneCCL transport, above a kind's limit (none by default
+//    but all-to-all against oneCCL's own shared memory).
+// send/recv and the barrier always stay on shm. Groups without shared memory
+// use oneCCL for all.
 #pragma once
 
 #include "transport.hpp"
@@ -15,25 +22,32 @@
 
 namespace oneccl_bind_pt {
 
-enum class Route : uint8_t { Shm, OneCCL };
+enum class Route : uint8_t { Shm, Cma, OneCCL };
 
 inline const char* route_name(Route r) {
-  return r == Route::Shm ? "shm" : "oneccl";
+  return r == Route::Shm ? "shm" : r == Route::Cma ? "cma" : "oneccl";
 }
 
-struct ShmLimits {
-  // Largest bytes a rank stages for one step of each kind; above, oneCCL.
+// One size per collective kind (bytes of one rank's data).
+struct PerKind {
   size_t allreduce, reduce, broadcast, allgather, alltoall, reduce_scatter;
-  size_t max() const;
   size_t of(Prim::Kind kind) const;
-  // Where a step of `kind` staging `bytes` runs, on a group with shared memory.
-  Route route(Prim::Kind kind, size_t bytes) const;
-  // From ONECCL_BIND_PT_SHM_MAX_BYTES (one value for every kind) or the
-  // measured defaults.
+};
+
+struct ShmLimits {
+  PerKind max_bytes;   // above: oneCCL
+  // cma in [single_copy, single_copy_to], on a group whose ranks can read each other.
+  PerKind single_copy, single_copy_to;
+  // Where a collective of `kind` with `bytes` per rank runs on a group with shared memory.
+  Route route(Prim::Kind kind, size_t bytes, bool group_has_cma) const;
+  // From ONECCL_BIND_PT_SHM_MAX_BYTES and ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES
+  // (one value for every kind each) or the measured defaults.
   static ShmLimits from_env();
 };
 
 // Whether the shared-memory transport is on (ONECCL_BIND_PT_SHM, default 1).
 bool shm_enabled();
+// Whether single-copy reads may be tried (ONECCL_BIND_PT_SHM_SINGLE_COPY, default 1).
+bool single_copy_enabled();
 
 } // namespace oneccl_bind_pt

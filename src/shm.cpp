@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -56,7 +57,7 @@ bool process_gone(int pid) {
 }
 
 const char* Shm::path(Prim::Kind kind, size_t bytes) const {
-  return route_name(limits_.route(kind, bytes));
+  return route_name(limits_.route(kind, bytes, single_copy_));
 }
 
 // ---- setup ------------------------------------------------------------------------
@@ -110,6 +111,7 @@ std::unique_ptr<Shm> Shm::connect(
       h->size = size;
       h->pid = getpid();
       h->total = total;
+      h->self = reinterpret_cast<uint64_t>(base);
       store_release(&h->magic, kMagic);
       mine = std::to_string(getpid()) + ":" + std::to_string(fd);
     }
@@ -151,14 +153,43 @@ std::unique_ptr<Shm> Shm::connect(
       close(peer_fd);
     }
   }
-  // 4. Everyone has mapped everyone (or someone could not): only now may
+  // 4. Single copy: can this rank read each peer's memory (ptrace rights: same user,
+  // and Yama's ptrace_scope or a container's seccomp may forbid it)? Read each peer's
+  // segment header where the peer mapped it, and compare with what we mapped.
+  std::string reads = single_copy_enabled() ? "yes" : "off: ONECCL_BIND_PT_SHM_SINGLE_COPY=0";
+  for (int q = 0; q < size && problem.empty() && reads == "yes"; ++q) {
+    if (q == rank) {
+      continue;
+    }
+    const auto* h = reinterpret_cast<const Header*>(shm->bases_[q]);
+    Header got{};
+    struct iovec local {&got, sizeof got};
+    struct iovec remote {reinterpret_cast<void*>(h->self), sizeof got};
+    const ssize_t n = process_vm_readv(shm->pids_[q], &local, 1, &remote, 1, 0);
+    if (n != static_cast<ssize_t>(sizeof got) || got.magic != kMagic || got.rank != q) {
+      reads = std::string("off: rank ") + std::to_string(rank) + " may not read rank " + std::to_string(q) +
+          "'s memory (process_vm_readv: " + (n < 0 ? std::strerror(errno) : "read other bytes") +
+          "; Yama's kernel.yama.ptrace_scope above 0, or a container without ptrace rights)";
+    }
+  }
+  // 5. Everyone has mapped everyone (or someone could not): only now may
   // owners close their fd; the mappings keep the memory.
-  const auto results = exchange(store, "oneccl/shm/mapped", problem.empty() ? "ok" : problem, rank, size, timeout);
+  const auto results = exchange(
+      store, "oneccl/shm/mapped", problem.empty() ? "ok " + reads : problem, rank, size, timeout);
   if (fd >= 0) {
     close(fd);
   }
+  shm->single_copy_ = true;
+  shm->single_copy_status_ = "on";
   for (int q = 0; q < size; ++q) {
-    if (results[q] != "ok") {
+    if (results[q].rfind("ok ", 0) == 0 && results[q] != "ok yes" && shm->single_copy_) {
+      // Every rank learns the first refusal: all take the same path.
+      shm->single_copy_ = false;
+      shm->single_copy_status_ = results[q].substr(3);
+    }
+  }
+  for (int q = 0; q < size; ++q) {
+    if (results[q].rfind("ok ", 0) != 0) {
       TORCH_WARN_ONCE(
           "ccl: no shared memory between the ranks of a process group on this host (rank ", q, ": ",
           results[q], "); its collectives run through oneCCL");
@@ -186,6 +217,31 @@ void Shm::check_peer_alive(int peer, const char* op) {
         std::string("ccl ") + op + " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
             "): rank " + std::to_string(peer) + " (pid " + std::to_string(pids_[peer]) +
             ") exited while this rank waited for it. The process group can no longer be used.");
+  }
+}
+
+void Shm::read_peer(int q, void* to, uint64_t from, size_t bytes, const char* op) const {
+  // One call moves at most ~2 GiB (the kernel's limit on one transfer).
+  constexpr size_t kPiece = size_t{1} << 30;
+  size_t done_bytes = 0;
+  while (done_bytes < bytes) {
+    const size_t piece = std::min(kPiece, bytes - done_bytes);
+    struct iovec local {static_cast<char*>(to) + done_bytes, piece};
+    struct iovec remote {reinterpret_cast<void*>(from + done_bytes), piece};
+    const ssize_t n = process_vm_readv(pids_[q], &local, 1, &remote, 1, 0);
+    if (n != static_cast<ssize_t>(piece)) {
+      const int err = errno;
+      const std::string who = std::string("ccl ") + op + " (rank " + std::to_string(rank_) + " of " +
+          std::to_string(size_) + "): rank " + std::to_string(q) + " (pid " + std::to_string(pids_[q]) + ")";
+      if (process_gone(pids_[q])) {
+        C10_THROW_ERROR(DistBackendError, who + " exited while this rank read its tensor. The process group "
+                        "can no longer be used.");
+      }
+      C10_THROW_ERROR(DistBackendError, who + ": reading its tensor directly failed after " +
+                      std::to_string(done_bytes + (n > 0 ? n : 0)) + " of " + std::to_string(bytes) + " bytes (" +
+                      (n < 0 ? std::strerror(err) : "short read") + ")");
+    }
+    done_bytes += piece;
   }
 }
 

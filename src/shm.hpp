@@ -17,6 +17,11 @@
 //     data moves here or through oneCCL (above the size limit of the op);
 //  3. move: read peers' buffers (reductions fold them in rank order: every
 //     rank's result is bit-identical), or run the Prim through oneCCL.
+// From a size per kind on (route.hpp), step 1 copies nothing: each rank
+// publishes its tensors' addresses and step 3 reads the peers' tensors
+// directly (process_vm_readv: single copy, shm_single_copy.cpp), then waits
+// until no peer reads its own tensors any more. connect() probes whether the
+// kernel lets the ranks read each other; if not, every size is staged.
 // send/recv stream through the rings and match by (source, tag) in order,
 // with an unexpected-message queue; a recv may take any source.
 #pragma once
@@ -62,6 +67,9 @@ class Shm final : public Transport {
   std::unique_ptr<Pending> start(const char* op, std::vector<Prim> prims) override;
 
   const ShmLimits& limits() const { return limits_; }
+  // Whether every rank can read every peer's memory (single copy), or why not.
+  bool single_copy() const { return single_copy_; }
+  const std::string& single_copy_status() const { return single_copy_status_; }
   // Whether a peer's process has exited (or is a zombie).
   bool any_peer_gone() const;
   // "shm" or "oneccl": where a step of `kind` staging `bytes` runs.
@@ -89,12 +97,16 @@ class Shm final : public Transport {
   // Where things live in rank q's segment.
   uint64_t* arrived(int q) const;
   uint64_t* reduced(int q) const;
+  uint64_t* done(int q) const; // finished reading peers' tensors (single copy)
   Sig* sig(int q, uint64_t step) const;
   uint64_t* counts(int q, uint64_t step) const; // send counts, then recv counts
   char* buffer(int q, uint64_t step) const;
   uint64_t* ring_head(int src, int dst) const; // in src's segment
   uint64_t* ring_tail(int dst, int src) const; // in dst's segment
   SlotHeader* slot(int src, int dst, uint64_t index) const;
+  // Copies `bytes` at `from` in rank q's address space to `to` (process_vm_readv);
+  // throws DistBackendError naming q and `op` when it cannot read them all.
+  void read_peer(int q, void* to, uint64_t from, size_t bytes, const char* op) const;
 
   int rank_;
   int size_;
@@ -103,6 +115,8 @@ class Shm final : public Transport {
   std::unique_ptr<Layout> layout_;
   std::vector<char*> bases_; // every rank's segment, mapped; ours at rank_
   std::vector<int> pids_;
+  bool single_copy_ = false;
+  std::string single_copy_status_ = "off: not probed";
 
   // collectives
   uint64_t next_step_ = 0;

@@ -1,8 +1,6 @@
-#include "shm_internal.hpp"
+#include "shm_pending.hpp"
 
 #include "errors.hpp"
-#include "kernels.hpp"
-#include "reduce_ops.hpp"
 
 #include <c10/util/Exception.h>
 
@@ -13,58 +11,7 @@
 
 namespace oneccl_bind_pt {
 
-namespace {
-
-size_t element_bytes(const Prim& p) {
-  return p.red ? c10::elementSize(kernel_dtype(p.red->scalar_type)) : 1;
-}
-
-} // namespace
-
 // ---- collectives ----------------------------------------------------------------
-
-class ShmPending final : public Pending {
- public:
-  ShmPending(Shm& shm, const char* op, std::vector<Prim> prims)
-      : shm_(shm), op_(op), prims_(std::move(prims)) {
-    shm_.fifo_.push_back(this);
-  }
-  ~ShmPending() override { leave_fifo(); }
-
-  bool poll() override;
-  bool buffers_in_use_after_abort() const override { return ccl_ != nullptr; }
-
- private:
-  enum class Phase { Queued, Staged, Reduced, OneCCL };
-
-  size_t capacity(const Prim& p) const; // units per step
-  size_t total(const Prim& p) const;    // units to move
-  size_t chunks(const Prim& p) const;   // steps
-  std::pair<size_t, size_t> slice(size_t w, int q) const; // rank q's part of a w-unit window
-  void learn_pairs(const Prim& p); // alltoallv: the largest pair, from every rank's counts
-  void stage(const Prim& p);
-  bool met(); // every peer staged this step
-  void check_signatures(const Prim& p);
-  // Runs the step from the staged buffers; false if a second meeting is pending.
-  bool move(const Prim& p);
-  bool finish_two_meetings(const Prim& p);
-  void check_liveness();
-  void leave_fifo();
-  std::string describe(int q) const;
-
-  Shm& shm_;
-  const char* op_;
-  std::vector<Prim> prims_;
-  size_t next_ = 0;   // Prim
-  size_t chunk_ = 0;  // step within it
-  bool use_shm_ = false; // decided at a Prim's first step
-  size_t largest_pair_ = 0;
-  Phase phase_ = Phase::Queued;
-  uint64_t step_ = 0;
-  Clock::time_point waiting_since_{};
-  Clock::time_point next_check_{};
-  std::unique_ptr<Pending> ccl_;
-};
 
 // Steps of a Prim: large ones go through the staging buffer in chunks.
 // Units are elements for reductions, bytes otherwise; every rank computes
@@ -72,6 +19,21 @@ class ShmPending final : public Pending {
 size_t ShmPending::capacity(const Prim& p) const {
   const size_t buffer = shm_.layout_->buffer_bytes;
   const size_t unit = element_bytes(p);
+  const size_t others = shm_.size_ - 1;
+  if (route_ == Route::Cma) {
+    // Single copy: a reduction reads the peers' shares of a window into this rank's
+    // buffer (n - 1 of them: allreduce's slices start on whole lines); the rest read
+    // straight into the output, the whole Prim in one step.
+    switch (p.kind) {
+      case Prim::Kind::Allreduce:
+        return shm_.size_ * (buffer / unit / others / 16 * 16);
+      case Prim::Kind::Reduce:
+      case Prim::Kind::ReduceScatter:
+        return buffer / unit / others / 64 * 64;
+      default:
+        return std::max<size_t>(1, total(p));
+    }
+  }
   // reduce_scatter stages every rank's share, alltoallv a window per peer.
   const bool per_rank = p.kind == Prim::Kind::ReduceScatter || p.kind == Prim::Kind::Alltoallv;
   return per_rank ? buffer / (unit * shm_.size_) / 64 * 64 : buffer / unit;
@@ -110,6 +72,9 @@ void ShmPending::learn_pairs(const Prim& p) {
 
 void ShmPending::stage(const Prim& p) {
   step_ = ++shm_.next_step_;
+  if (chunk_ == 0) {
+    route_ = Route::Shm; // until the meeting decides: the window below is a staging one
+  }
   const int me = shm_.rank_;
   const int n = shm_.size_;
   const size_t unit = element_bytes(p);
@@ -119,6 +84,7 @@ void ShmPending::stage(const Prim& p) {
   char* buf = shm_.buffer(me, step_);
   uint64_t* counts = shm_.counts(me, step_);
   bool fits = true;
+  bool single = false; // this rank leaves its data in its tensor (chunk 0 decides)
   if (chunk_ == 0) {
     // Whether this rank can take the shared-memory path: the op is within
     // the measured crossover (and alltoallv, which is not chunked, fits the buffer).
@@ -140,9 +106,11 @@ void ShmPending::stage(const Prim& p) {
         break;
     }
     const bool kernel_ok = !p.red || reduce_kernel(p.red->scalar_type, p.red->kind) != nullptr;
-    fits = fits && kernel_ok && shm_.limits_.route(p.kind, bytes) == Route::Shm;
+    const Route r = shm_.limits_.route(p.kind, bytes, shm_.single_copy_);
+    fits = kernel_ok && r != Route::OneCCL;
+    single = fits && r == Route::Cma;
   }
-  if (fits) {
+  if (chunk_ == 0 ? fits && !single : route_ == Route::Shm) {
     const char* src = static_cast<const char*>(p.src);
     switch (p.kind) {
       case Prim::Kind::Allreduce:
@@ -191,7 +159,9 @@ void ShmPending::stage(const Prim& p) {
   s->kind = static_cast<uint8_t>(p.kind);
   s->dtype = p.red ? static_cast<int8_t>(p.red->scalar_type) : -1;
   s->redop = p.red ? static_cast<int8_t>(p.red->kind) : -1;
-  s->fits = fits ? 1 : 0;
+  s->fits = !fits ? 0 : single ? kSingleCopy : kStaged;
+  s->src = reinterpret_cast<uint64_t>(p.src);
+  s->dst = reinterpret_cast<uint64_t>(p.dst);
   s->root = p.peer;
   s->count = p.count;
   s->staged = 0;
@@ -200,14 +170,31 @@ void ShmPending::stage(const Prim& p) {
   next_check_ = waiting_since_ + kLivenessAfter;
 }
 
-bool ShmPending::met() {
+bool ShmPending::all_reached(uint64_t* (Shm::*counter)(int) const) {
   for (int q = 0; q < shm_.size_; ++q) {
-    if (load_acquire(shm_.arrived(q)) < step_) {
+    if (load_acquire((shm_.*counter)(q)) < step_) {
       check_liveness();
       return false;
     }
   }
   return true;
+}
+
+bool ShmPending::met() {
+  return all_reached(&Shm::arrived);
+}
+
+bool ShmPending::drained() {
+  return all_reached(&Shm::done);
+}
+
+bool ShmPending::end_step() {
+  if (route_ != Route::Cma) {
+    return true;
+  }
+  store_release(shm_.done(shm_.rank_), step_);
+  phase_ = Phase::Draining;
+  return drained();
 }
 
 void ShmPending::check_liveness() {
@@ -291,6 +278,9 @@ void ShmPending::check_signatures(const Prim& p) {
 }
 
 bool ShmPending::move(const Prim& p) {
+  if (route_ == Route::Cma) {
+    return move_single_copy(p);
+  }
   const int n = shm_.size_;
   const int me = shm_.rank_;
   const size_t unit = element_bytes(p);
@@ -379,11 +369,8 @@ std::pair<size_t, size_t> ShmPending::slice(size_t w, int q) const {
 
 bool ShmPending::finish_two_meetings(const Prim& p) {
   const int n = shm_.size_;
-  for (int q = 0; q < n; ++q) {
-    if (load_acquire(shm_.reduced(q)) < step_) {
-      check_liveness();
-      return false;
-    }
+  if (!all_reached(&Shm::reduced)) {
+    return false;
   }
   const size_t unit = element_bytes(p);
   const size_t lo = chunk_ * capacity(p);
@@ -391,7 +378,15 @@ bool ShmPending::finish_two_meetings(const Prim& p) {
   char* dst = static_cast<char*>(p.dst) + lo * unit;
   for (int q = 0; q < n; ++q) {
     const auto [slo, shi] = slice(w, q);
-    if (shi > slo) {
+    if (shi <= slo) {
+      continue;
+    }
+    if (route_ == Route::Cma) {
+      // Each rank reduced its slice into its own output: read the others' there.
+      if (q != shm_.rank_) {
+        shm_.read_peer(q, dst + slo * unit, shm_.sig(q, step_)->dst + (lo + slo) * unit, (shi - slo) * unit, op_);
+      }
+    } else {
       std::memcpy(dst + slo * unit, shm_.buffer(q, step_) + slo * unit, (shi - slo) * unit);
     }
   }
@@ -428,14 +423,22 @@ bool ShmPending::poll() {
         }
         if (chunk_ == 0) {
           learn_pairs(p);
-          use_shm_ = true;
+          bool all = true;
+          bool any_single = false;
           for (int q = 0; q < shm_.size_; ++q) {
-            use_shm_ = use_shm_ && shm_.sig(q, step_)->fits;
+            all = all && shm_.sig(q, step_)->fits != 0;
+            any_single = any_single || shm_.sig(q, step_)->fits == kSingleCopy;
           }
+          // A rank whose share is above the single-copy size makes the step single copy
+          // for all (peers' data is read from their tensors whatever they staged).
+          route_ = !all ? Route::OneCCL : any_single ? Route::Cma : Route::Shm;
         }
-        if (use_shm_) {
+        if (route_ != Route::OneCCL) {
           if (!move(p)) {
             return false; // phase_ is Reduced: waiting for peers' slices
+          }
+          if (!end_step()) {
+            return false;
           }
           break;
         }
@@ -450,13 +453,18 @@ bool ShmPending::poll() {
         ccl_.reset();
         break;
       case Phase::Reduced:
-        if (!finish_two_meetings(p)) {
+        if (!finish_two_meetings(p) || !end_step()) {
+          return false;
+        }
+        break;
+      case Phase::Draining:
+        if (!drained()) {
           return false;
         }
         break;
     }
     phase_ = Phase::Queued;
-    if (use_shm_ && ++chunk_ < chunks(p)) {
+    if (route_ != Route::OneCCL && ++chunk_ < chunks(p)) {
       continue; // the next chunk of this Prim
     }
     chunk_ = 0;

@@ -63,11 +63,17 @@ struct Shm::Sig {
   uint8_t kind;
   int8_t dtype;  // at::ScalarType of reductions, -1 otherwise
   int8_t redop;  // c10d RedOpType, -1 otherwise
-  uint8_t fits;  // this rank staged its data: the step may run here
+  uint8_t fits;  // this rank can run the step here: kStaged or kSingleCopy (else 0)
   int32_t root;
   uint64_t count;
   uint64_t staged;
+  uint64_t src;  // this rank's tensors, in its address space: what single-copy peers read
+  uint64_t dst;
 };
+
+// Sig::fits: staged into this rank's buffer, or left in its tensor for peers to read.
+inline constexpr uint8_t kStaged = 1;
+inline constexpr uint8_t kSingleCopy = 2;
 
 struct Shm::SlotHeader {
   uint64_t msg;    // per (sender, receiver), from 1
@@ -79,7 +85,7 @@ struct Shm::SlotHeader {
 };
 
 struct Shm::Layout {
-  size_t arrived, reduced, sigs, counts, heads, tails, rings, buffers, buffer_bytes, total;
+  size_t arrived, reduced, done, sigs, counts, heads, tails, rings, buffers, buffer_bytes, total;
   int n;
   Layout(int ranks, size_t buffer) : buffer_bytes(buffer), n(ranks) {
     size_t at = 0;
@@ -92,6 +98,7 @@ struct Shm::Layout {
     take(kLine, kLine); // header: magic, rank, pid, sizes
     arrived = take(kLine, kLine);
     reduced = take(kLine, kLine);
+    done = take(kLine, kLine);
     sigs = take(2 * ((sizeof(Sig) + kLine - 1) / kLine * kLine), kLine);
     counts = take(2 * 2 * n * sizeof(uint64_t), kLine);
     heads = take(n * kLine, kLine);
@@ -109,6 +116,7 @@ struct Header {
   int32_t size;
   int32_t pid;
   uint64_t total;
+  uint64_t self; // where the owner mapped it: the probe of single-copy reads reads it there
 };
 
 inline uint64_t* Shm::arrived(int q) const {
@@ -116,6 +124,9 @@ inline uint64_t* Shm::arrived(int q) const {
 }
 inline uint64_t* Shm::reduced(int q) const {
   return reinterpret_cast<uint64_t*>(bases_[q] + layout_->reduced);
+}
+inline uint64_t* Shm::done(int q) const {
+  return reinterpret_cast<uint64_t*>(bases_[q] + layout_->done);
 }
 inline Shm::Sig* Shm::sig(int q, uint64_t step) const {
   return reinterpret_cast<Sig*>(bases_[q] + layout_->sigs + (step & 1) * layout_->sig_stride());

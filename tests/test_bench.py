@@ -43,7 +43,8 @@ def _checks(rank, world):
         def call(self, backend):
             return lambda *args: None  # the call does nothing: the buffers keep their inputs
 
-    groups = {"ccl": dist.group.WORLD, "gloo": dist.new_group(backend="gloo"), "oneccl": bench.oneccl_group(world)}
+    groups = {"ccl": dist.group.WORLD, "gloo": dist.new_group(backend="gloo"),
+              **{b: bench.group_with(world, env) for b, env in bench.GROUP_ENV.items()}}
     verdicts = {}
     for op in bench.OPS:
         for backend in bench.BACKENDS:

@@ -1,8 +1,9 @@
 """Collectives x reduce ops x dtypes on 2 real ranks, and what the world size changes on 3
 and 4, through both transports (matrix.cases() says which case runs where, and why).
 
-All ranks are on this host, so the default is the shared-memory transport;
-ONECCL_BIND_PT_SHM=0 sends the same cases through oneCCL. Each case checks its
+All ranks are on this host, so the default is the shared-memory transport, through its
+staging buffers ("shm") or reading peers' tensors directly ("cma", forced for every size
+here); ONECCL_BIND_PT_SHM=0 sends the same cases through oneCCL. Each case checks its
 values against results worked out from the inputs, so passing on both paths
 also means both paths agree.
 """
@@ -16,7 +17,9 @@ import torch.distributed as dist
 from harness import run_ranks
 from matrix import MOVABLE, MOVEMENTS, REDUCE_OPS, REDUCIBLE, REDUCTIONS, cases, run_all
 
-PATHS = {"shm": {}, "oneccl": {"ONECCL_BIND_PT_SHM": "0"}}
+# cma: the shared-memory transport reading peers' tensors directly at every size (by
+# default only large messages do, and only where the kernel lets ranks read each other).
+PATHS = {"shm": {}, "cma": {"ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES": "0"}, "oneccl": {"ONECCL_BIND_PT_SHM": "0"}}
 WORLDS = [2, 3, 4]
 
 

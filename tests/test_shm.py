@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import pwd
 import random
 import re
@@ -41,17 +42,34 @@ def _paths(rank, world):
     pg = _backend()
     g = _oneccl_group(world)
     return {
-        "shm": [pg._path(k, 1 << 20) for k in ("allreduce", "allgather", "broadcast", "send")],
-        "large": [pg._path(k, 1 << 30) for k in ("allreduce", "alltoall", "reduce_scatter")],
+        "small": [pg._path(k, 4096) for k in ("allreduce", "allgather", "broadcast", "send")],
+        "large": {f"{k} {s >> 20}M": pg._path(k, s) for k in ("allreduce", "allgather", "reduce_scatter", "send")
+                  for s in (1 << 20, 1 << 30)},
         "off": _backend(g)._path("allreduce", 4),
+        "single_copy": pg._single_copy(),
     }
 
 
-def test_paths_and_the_switch():
-    got = run_ranks(_paths, 2)[0]
-    assert got["shm"] == ["shm"] * 4
-    assert got["large"] == ["shm"] * 3  # large messages move in chunks
+SINGLE_COPY = {
+    # The measured bands (src/route.cpp): reduce_scatter and allgather around 1 MiB.
+    "default": {},
+    "from-256K": {"ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES": "256K"},
+    "off": {"ONECCL_BIND_PT_SHM_SINGLE_COPY": "0"},
+}
+
+
+@pytest.mark.parametrize("setting", SINGLE_COPY)
+def test_paths_and_the_switch(setting):
+    got = run_ranks(_paths, 2, env=SINGLE_COPY[setting])[0]
+    assert got["small"] == ["shm"] * 4
     assert got["off"] == "oneccl"
+    # Large collectives: staged in chunks, or read from peers' tensors (this machine lets
+    # ranks of one user read each other) where the setting says; send/recv always staged.
+    cma = {"default": {"allgather 1M", "reduce_scatter 1M"},
+           "from-256K": {f"{k} {s}M" for k in ("allreduce", "allgather", "reduce_scatter") for s in (1, 1024)},
+           "off": set()}[setting]
+    assert got["large"] == {name: "cma" if name in cma else "shm" for name in got["large"]}, got["large"]
+    assert got["single_copy"] == ("off: ONECCL_BIND_PT_SHM_SINGLE_COPY=0" if setting == "off" else "on")
 
 
 def _crossover(rank, world):
@@ -129,9 +147,13 @@ def _same_on_both_paths(rank, world):
     return problems
 
 
+@pytest.mark.parametrize("single_copy", ["from-256K", "off"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_shm_and_oneccl_paths_agree_across_chunk_boundaries(world):
-    for rank, problems in enumerate(run_ranks(_same_on_both_paths, world, timeout=600)):
+def test_shm_and_oneccl_paths_agree_across_chunk_boundaries(world, single_copy):
+    # Every collective from 256 KiB on reads peers' tensors directly (their windows end
+    # mid-line too), or with single copy off everything moves through the staging buffers.
+    env = SINGLE_COPY[single_copy]
+    for rank, problems in enumerate(run_ranks(_same_on_both_paths, world, timeout=600, env=env)):
         assert not problems, f"rank {rank}: {problems}"
 
 
@@ -191,6 +213,48 @@ def _mismatches(rank, world):
 def test_mismatched_calls_raise_on_every_rank_and_the_group_survives():
     for seen in run_ranks(_mismatches, 2, env={"ONECCL_BIND_PT_SHM_MAX_BYTES": "64K"}):
         assert set(seen.values()) == {"raised"}, seen
+
+
+# ---- single copy refused ------------------------------------------------------------
+
+# Rank 0 forbids itself process_vm_readv with a seccomp filter, as a container's profile
+# may: the group's probe must see it and stage every size, on every rank, with right sums.
+NO_CMA = """
+import ctypes, torch, torch.distributed as dist, oneccl_bind_pt, os
+if os.environ["RANK"] == "0":
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+    # x86_64: process_vm_readv is syscall 310; other syscalls are allowed.
+    code = (Filter * 4)(Filter(0x20, 0, 0, 0), Filter(0x15, 0, 1, 310),
+                        Filter(0x06, 0, 0, 0x00050000 | 1), Filter(0x06, 0, 0, 0x7FFF0000))
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+    assert libc.prctl(22, 2, ctypes.byref(Prog(4, code))) == 0  # PR_SET_SECCOMP, FILTER
+dist.init_process_group("ccl")
+pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+rank = dist.get_rank()
+t = torch.full((1 << 20,), float(rank + 1))
+dist.all_reduce(t)
+out = torch.empty(2 << 20)
+dist.all_gather_into_tensor(out, torch.full((1 << 20,), float(rank)))
+ok = t.eq(3).all().item() and out[: 1 << 20].eq(0).all().item() and out[1 << 20 :].eq(1).all().item()
+print("result", pg._single_copy(), "|", pg._path("allreduce", 4 << 20), "|", ok, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the filter names x86_64's syscall number")
+def test_single_copy_refused_by_the_kernel_falls_back_to_staging():
+    pids, rcs, outs = _job(NO_CMA)
+    assert rcs == [0, 0], outs
+    for out in outs:
+        line = next(l for l in out.splitlines() if l.startswith("result "))
+        status, path, ok = line.removeprefix("result ").split(" | ")
+        assert status.startswith("off: rank 0 may not read rank 1's memory (process_vm_readv: Operation not "
+                                 "permitted"), status
+        assert (path, ok) == ("shm", "True"), line
 
 
 # ---- what is left behind ------------------------------------------------------------
@@ -283,14 +347,18 @@ def test_nothing_left_in_dev_shm_after_exit_destroy_or_sigkill():
     assert rcs == [0, 0], outs
     assert not _left_in_dev_shm(pids)
 
-    seen = set()
-    pids, rcs, outs = _job(LOOP, kill=_kill_mid_collective(seen), timeout=90)
-    assert -9 in rcs, (rcs, outs)
-    survivor = outs[rcs.index(-9) ^ 1]
-    assert "DistBackendError" in survivor and ("exited while this rank waited" in survivor
-                                              or "did not complete within" in survivor), survivor
-    left = _left_in_dev_shm(pids, seen)
-    assert not left, f"left in /dev/shm: {sorted(left)}"
+    # Staged, then with the 4 MiB allreduces reading the peer's tensor directly (single copy).
+    for env in SINGLE_COPY["default"], SINGLE_COPY["from-256K"]:
+        seen = set()
+        pids, rcs, outs = _job(LOOP, kill=_kill_mid_collective(seen), timeout=90, env=env)
+        assert -9 in rcs, (rcs, outs)
+        survivor = outs[rcs.index(-9) ^ 1]
+        # Killed while the survivor waited for it, or while it read the killed rank's tensor.
+        assert "DistBackendError" in survivor and ("exited while this rank waited" in survivor
+                                                  or "exited while this rank read its tensor" in survivor
+                                                  or "did not complete within" in survivor), survivor
+        left = _left_in_dev_shm(pids, seen)
+        assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
 def test_the_leftover_check_sees_what_oneccls_own_transport_leaves():

@@ -150,7 +150,7 @@ def wheel(torch: str, python: str, source: Path, work: Path, dist: Path) -> dict
     tag = f"cp{python.replace('.', '')}"
     if f"-{row['version']}-{tag}-{tag}-" not in built.name:
         sys.exit(f"{built.name}: expected oneccl_bind_pt {row['version']} for {tag}")
-    unpacked = work / "unpacked"
+    unpacked = work / "unpacked" / f"torch-{torch}-py{python}"  # per pair: two may build at once
     shutil.rmtree(unpacked, ignore_errors=True)
     run([sys.executable, "-m", "zipfile", "-e", built, unpacked])
     so = next(unpacked.glob("oneccl_bind_pt/_C*.so"))

@@ -130,9 +130,14 @@ def selected_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def dir_mib(path: Path) -> float:
-    """Bytes on disk below a folder, in MiB (hard links counted once, symlinks not followed)."""
-    out = subprocess.run(["du", "-sk", str(path)], capture_output=True, text=True, check=True).stdout
-    return int(out.split()[0]) / 1024
+    """Bytes on disk below a folder, in MiB (hard links counted once, symlinks not followed).
+    Another build may add or remove files below it meanwhile (the CI builds two pairs at once):
+    du then exits 1 for the files that vanished but still prints the total of the rest."""
+    proc = subprocess.run(["du", "-sk", str(path)], capture_output=True, text=True)
+    first = proc.stdout.split()[:1]
+    if not first or not first[0].isdigit():
+        raise RuntimeError(f"du -sk {path} exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
+    return int(first[0]) / 1024
 
 
 def main() -> int:

@@ -101,7 +101,8 @@ def check(torch: str, python: str, wheel: Path, venv: Path) -> dict:
     base = {k: v for k, v in os.environ.items() if not k.startswith(LEAKS)}
     base["PATH"] = f"{venv / 'bin'}{os.pathsep}/usr/bin:/bin"
     py = venv / "bin" / "python"
-    pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    # --no-compile: what a run imports compiles on first import (build_wheels.QUIET says why).
+    pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"]
 
     t = time.monotonic()
     run([releases.find_python(python), "-m", "venv", venv], base, venv.parent)

@@ -33,7 +33,9 @@ start=$SECONDS
 # Creates the venv, or repairs one that cannot work here (a dangling link, a moved
 # interpreter, another Python version); stops on anything that is not a venv.
 "$interpreter" scripts/ensure_venv.py "$venv"
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+# --no-compile: byte-compiling every module of the stack at install costs more than compiling
+# the ones a run imports when it first imports them.
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile)
 # torch is pinned: an unpinned torch would pull the CUDA build.
 if grep -q '^# lift-pip-constraint:' "$reqs"; then
     # This release's torch is above the torch cap this project's build machines set in pip's

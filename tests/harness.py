@@ -1,8 +1,9 @@
 """Runs a function on N real processes joined by a real ccl process group, and the
 helpers every test shares: waiting on an event, requiring a capability, ports.
 
-Each rank is a fresh interpreter (multiprocessing "spawn"), rendezvous goes
-through a FileStore in a temporary folder (no ports to collide), and every
+Each rank is a fresh process forked from a server that has imported torch and
+nothing else (multiprocessing "forkserver"), given the test's environment; rendezvous
+goes through a FileStore in a temporary folder (no ports to collide), and every
 rank's return value or traceback comes back to the test.
 """
 
@@ -255,9 +256,15 @@ def free_port() -> int:
 
 
 def _entry(fn, rank, world, store_path, results, args, env, pg_timeout, backend):
+    # A forkserver child starts with the server's environment: take the test's, as a spawned
+    # process would have, before anything (this package first) reads it.
+    os.environ.clear()
     os.environ.update(env)
     try:
         import torch.distributed as dist
+
+        # torch read TORCH_DISTRIBUTED_DEBUG when the server imported it; read it again here.
+        dist.set_debug_level_from_env()
 
         import oneccl_bind_pt  # noqa: F401
 
@@ -281,6 +288,17 @@ def _exit_name(code):
     return f"with code {code}"
 
 
+@functools.lru_cache(maxsize=None)
+def _context():
+    """Ranks fork from one server per test process that has imported torch: a spawned rank
+    spent ~1.7 s of CPU importing it, a forked one none, and the suite starts hundreds of
+    ranks on two cores. Only torch: this package reads the environment when imported, so each
+    rank imports it itself, after taking the test's environment (_entry)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
 def run_ranks(fn, world, *args, timeout=180, env=None, pg_timeout=60, backend="ccl"):
     """Runs fn(rank, world, *args) on `world` processes; returns the values by rank.
 
@@ -289,14 +307,15 @@ def run_ranks(fn, world, *args, timeout=180, env=None, pg_timeout=60, backend="c
     Raises RankFailure with every failing rank's traceback, or when a rank
     hangs past `timeout` seconds.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(fn, rank, world, store_path, results, args, dict(env or {}), pg_timeout, backend),
+                args=(fn, rank, world, store_path, results, args, {**os.environ, **(env or {})}, pg_timeout,
+                      backend),
                 daemon=True,
             )
             for rank in range(world)

@@ -354,14 +354,18 @@ def report(results, world, args):
             row.append(f"{mine.median_us - raw.median_us:+.1f}" if mine and raw else "-")
         row.append("yes" if all(p.correct for p in by.values()) else "NO")
         lines.append(row)
-    title = f"{world} ranks, {os.cpu_count()} CPUs; median of the slowest rank per call"
+    print_table(f"{world} ranks, {os.cpu_count()} CPUs; median of the slowest rank per call", header, lines)
+
+
+def print_table(title, header, lines):
+    """A table on stdout: rich's when installed (the bench extra), plain columns otherwise."""
     try:
         from rich.console import Console
         from rich.table import Table
 
         table = Table(title=title)
         for h in header:
-            table.add_column(h, justify="left" if h in ("op", "dtype") else "right")
+            table.add_column(h, justify="left" if h in ("op", "dtype", "backend") else "right")
         for row in lines:
             table.add_row(*row)
         Console(width=320).print(table)
@@ -416,13 +420,32 @@ def run(rank, world, args):
     return results
 
 
-def _spawned(rank, world, store_path, args):
+def _spawned(rank, world, store_path, fn, args):
     import oneccl_bind_pt  # noqa: F401
 
     dist.init_process_group("ccl", init_method=f"file://{store_path}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
-    run(rank, world, args)
+    fn(rank, world, args)
     dist.destroy_process_group()
+
+
+def launch(fn, args):
+    """fn(rank, world, args) on every rank of a ccl default group: the launcher's ranks when
+    run under one (torchrun, mpirun, srun), else args.nprocs ranks spawned here."""
+    # The baselines get oneCCL's fastest setting on one host (read at its first communicator).
+    os.environ.setdefault("CCL_ATL_SHM", "1")
+    import oneccl_bind_pt  # noqa: F401  (maps mpirun's variables too)
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("ccl")
+        fn(dist.get_rank(), dist.get_world_size(), args)
+        dist.destroy_process_group()
+        return 0
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_spawned, args=(args.nprocs, os.path.join(tmp, "store"), fn, args), nprocs=args.nprocs)
+    return 0
 
 
 def parse_args(argv=None):
@@ -463,21 +486,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    # The baselines get oneCCL's fastest setting on one host (read at its first communicator).
-    os.environ.setdefault("CCL_ATL_SHM", "1")
-    import oneccl_bind_pt  # noqa: F401  (maps mpirun's variables too)
-
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("ccl")
-        run(dist.get_rank(), dist.get_world_size(), args)
-        dist.destroy_process_group()
-        return 0
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_spawned, args=(args.nprocs, os.path.join(tmp, "store"), args), nprocs=args.nprocs)
-    return 0
+    return launch(run, parse_args(argv))
 
 
 if __name__ == "__main__":

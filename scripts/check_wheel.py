@@ -101,7 +101,7 @@ def check(torch: str, python: str, wheel: Path, venv: Path) -> dict:
     base = {k: v for k, v in os.environ.items() if not k.startswith(LEAKS)}
     base["PATH"] = f"{venv / 'bin'}{os.pathsep}/usr/bin:/bin"
     py = venv / "bin" / "python"
-    # --no-compile: what a run imports compiles on first import (build_wheels.QUIET says why).
+    # --no-compile: what a run imports compiles on first import (build_wheels.py says why).
     pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"]
 
     t = time.monotonic()

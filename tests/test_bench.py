@@ -64,3 +64,24 @@ def test_the_correctness_check_can_fail():
             assert all(verdicts), (name, verdicts)
         else:
             assert not all(verdicts), (name, verdicts)
+
+
+def test_ddp_bench_trains_every_config_to_the_same_parameters(tmp_path):
+    out, png = tmp_path / "ddp.json", tmp_path / "ddp.png"
+    proc = popen(
+        [sys.executable, "-m", "oneccl_bind_pt.bench_ddp", "--nprocs", "2", "--width", "256", "--layers", "3",
+         "--batch", "4", "--steps", "3", "--warmup", "1", "--json", out, "--plot", png],
+        cwd=ROOT / "tests", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    (text,) = communicate([proc], 300)
+    assert proc.returncode == 0, text
+    report = json.loads(out.read_text())
+    assert report["world"] == 2 and report["parameters"] == 3 * (256 * 256 + 256)
+    assert set(report["results"]) == {"float32", "bfloat16"}
+    for dtype, by in report["results"].items():
+        assert set(by) == {"ccl", "oneccl", "gloo"}, by
+        for config, r in by.items():
+            assert r["equal_on_all_ranks"] and r["close_to_gloo"], (dtype, config, r)
+            assert len(r["steps"]) == 3 and 0 < r["median_ms"] <= r["p90_ms"], r
+    assert png.stat().st_size > 10_000
+    assert "x gloo" in text

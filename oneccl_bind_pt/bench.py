@@ -478,11 +478,16 @@ def parse_args(argv=None):
         while size <= parse_bytes(args.max_bytes):
             args.sizes.append(size)
             size *= args.factor
-    for name, values, known in (("op", args.ops, OPS), ("dtype", args.dtypes, DTYPES), ("backend", args.backends, BACKENDS)):
+    check_choices(p, op=(args.ops, OPS), dtype=(args.dtypes, DTYPES), backend=(args.backends, BACKENDS))
+    return args
+
+
+def check_choices(parser, **lists):
+    """argparse's error for a comma-separated option naming something unknown."""
+    for name, (values, known) in lists.items():
         bad = [v for v in values if v not in known]
         if bad:
-            p.error(f"unknown {name} {bad}; expected some of {list(known)}")
-    return args
+            parser.error(f"unknown {name} {bad}; expected some of {list(known)}")
 
 
 def main(argv=None):

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from oneccl_bind_pt.bench import DTYPES, GROUP_ENV, group_with, launch, print_table
+from oneccl_bind_pt.bench import DTYPES, GROUP_ENV, check_choices, group_with, launch, print_table
 
 CONFIGS = ["ccl", "oneccl", "gloo", "local"]
 # Close, not equal, across configurations: each sums the ranks' gradients in its own order.
@@ -156,16 +156,9 @@ def parse_args(argv=None):
     p.add_argument("--plot", help="write a PNG of the step times here")
     args = p.parse_args(argv)
     args.dtypes, args.configs = args.dtypes.split(","), args.configs.split(",")
-    for name, values, known in (("dtype", args.dtypes, DTYPES), ("config", args.configs, CONFIGS)):
-        bad = [v for v in values if v not in known]
-        if bad:
-            p.error(f"unknown {name} {bad}; expected some of {list(known)}")
+    check_choices(p, dtype=(args.dtypes, DTYPES), config=(args.configs, CONFIGS))
     return args
 
 
-def main(argv=None):
-    return launch(run, parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(launch(run, parse_args()))

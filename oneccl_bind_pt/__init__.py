@@ -5,6 +5,7 @@ registers the ``ccl`` backend: ``torch.distributed.init_process_group("ccl")``.
 """
 
 import atexit
+import multiprocessing.util as _mp_util
 import os
 
 from ._version import RELEASES as _RELEASES
@@ -97,6 +98,16 @@ if "ccl" not in _dist.Backend.backend_list:
 _dist.ProcessGroupCCL = ProcessGroupCCL
 
 atexit.register(_C._shutdown)
+
+
+def _at_child_exit(_=None):
+    # A multiprocessing child ends in os._exit, past atexit and libfabric's own cleanup;
+    # its exit runs these finalizers. (Not _shutdown: a forked child has no progress thread.)
+    _mp_util.Finalize(None, _C._unlink_own_fabric_segments, exitpriority=-100)
+
+
+_at_child_exit()
+_mp_util.register_after_fork(_C, _at_child_exit)
 
 from . import _integrations  # noqa: E402
 

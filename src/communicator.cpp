@@ -7,32 +7,42 @@
 
 #include <c10/util/Exception.h>
 
+#include <dirent.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <thread>
+
 namespace oneccl_bind_pt {
 
-Communicator::Communicator(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    int rank,
-    int size,
-    std::chrono::milliseconds timeout)
-    : rank_(rank), size_(size) {
-  CCL_CHECK_ARG(
-      size > 0 && rank >= 0 && rank < size, "ccl: invalid rank ", rank,
-      " for a process group of size ", size);
-  ensure_ccl_initialized();
-  kvs_ = rendezvous(store, rank, size, timeout);
-  try {
-    comm_.emplace(ccl::create_communicator(size, rank, kvs_));
-  } catch (const ccl::exception& e) {
-    C10_THROW_ERROR(
-        DistBackendError,
-        std::string("ccl: creating the oneCCL communicator (rank ") + std::to_string(rank) +
-            " of " + std::to_string(size) + ") failed: " + e.what());
-  }
-  ccl_ = std::make_unique<CclTransport>(*comm_);
-  shm_ = Shm::connect(store, rank, size, timeout, ccl_.get());
+namespace {
+
+// What a rank announces at rendezvous: where its process runs.
+std::string whoami() {
+  return host_identity() + "/" + std::to_string(getpid());
 }
 
-namespace {
+// libfabric's shared-memory provider (how oneCCL reaches ranks on the same
+// host) names its segments /dev/shm/<pid>:<n>:<n> and unlinks them when its
+// endpoints close: a process killed, or one whose communicator is left
+// unfreed, leaves them behind.
+void unlink_fabric_segments(int pid) {
+  DIR* dir = opendir("/dev/shm");
+  if (!dir) {
+    return;
+  }
+  const std::string prefix = std::to_string(pid) + ":";
+  while (const dirent* entry = readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name.rfind(prefix, 0) == 0 && std::count(name.begin(), name.end(), ':') == 2 &&
+        name.find_first_not_of("0123456789:") == std::string::npos) {
+      unlink(("/dev/shm/" + name).c_str()); // another user's: refused, left alone
+    }
+  }
+  closedir(dir);
+}
+
+constexpr const char* kAbandonedKey = "oneccl_bind_pt/abandoned_op";
 
 // Whether rank 0's oneCCL key-value store still answers. Its server lives in
 // rank 0's process; when that process is gone, a client's request fails here
@@ -50,16 +60,82 @@ bool kvs_answers(ccl::kvs& kvs, int rank) {
 
 } // namespace
 
+Communicator::Communicator(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout)
+    : store_(store), rank_(rank), size_(size) {
+  CCL_CHECK_ARG(
+      size > 0 && rank >= 0 && rank < size, "ccl: invalid rank ", rank,
+      " for a process group of size ", size);
+  ensure_ccl_initialized();
+  kvs_ = rendezvous(store, rank, size, timeout, whoami());
+  try {
+    comm_.emplace(ccl::create_communicator(size, rank, kvs_));
+  } catch (const ccl::exception& e) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        std::string("ccl: creating the oneCCL communicator (rank ") + std::to_string(rank) +
+            " of " + std::to_string(size) + ") failed: " + e.what());
+  }
+  ccl_ = std::make_unique<CclTransport>(*comm_);
+  shm_ = Shm::connect(store, rank, size, timeout, ccl_.get());
+}
+
+void unlink_own_fabric_segments() {
+  unlink_fabric_segments(getpid());
+}
+
+bool Communicator::peer_abandoned_an_op() const {
+  try {
+    return store_->check({kAbandonedKey});
+  } catch (...) {
+    return false; // a store that does not answer: kvs_answers() decides
+  }
+}
+
+void Communicator::unlink_segments_of_dead_peers() {
+  if (!broken() || swept_.exchange(true)) {
+    return;
+  }
+  const std::string host = host_identity() + "/";
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) {
+      continue;
+    }
+    try {
+      const std::string peer = announced(*store_, r);
+      if (peer.rfind(host, 0) == 0) {
+        const int pid = std::stoi(peer.substr(host.size()));
+        const char state = process_state(pid);
+        // A stopped peer that made the group fail counts as gone, as it does for shrink().
+        if (state == 'X' || state == 'Z' || state == 'T' || state == 't') {
+          unlink_fabric_segments(pid);
+        }
+      }
+    } catch (...) {
+      return; // the store went with rank 0: nothing to learn the peers from
+    }
+  }
+}
+
 Communicator::~Communicator() {
   // oneCCL's teardown talks to the group's key-value store, which rank 0
   // hosts; if rank 0 has already exited (its group broke, or it was killed),
   // oneCCL throws from a destructor and aborts the process. So a group that
   // knows a peer is gone, or finds the store silent, leaves its oneCCL
   // objects be: a leak at the end of a failed job instead of a SIGABRT.
-  if ((shm_ && shm_->any_peer_gone()) || (rank_ != 0 && !kvs_answers(*kvs_, rank_))) {
+  // An aborted group may still have an op inside oneCCL that no peer will
+  // ever join: freeing the communicator under it is not safe, and a peer that
+  // freed its own would reuse the communicator's id, whose messages that op
+  // then takes (measured: the next group's creation hung on both ranks).
+  if (aborted() || (shm_ && shm_->any_peer_gone()) || peer_abandoned_an_op() ||
+      (rank_ != 0 && !kvs_answers(*kvs_, rank_))) {
     static auto* graveyard = new std::vector<std::pair<ccl::communicator, std::shared_ptr<ccl::kvs>>>();
     graveyard->emplace_back(std::move(*comm_), kvs_);
   }
+  unlink_segments_of_dead_peers();
 }
 
 std::unique_ptr<Pending> Communicator::start(const char* op, std::vector<Prim> prims) {
@@ -73,6 +149,21 @@ void Communicator::mark_broken(const std::string& why) {
     why_ = why;
     broken_.store(true, std::memory_order_release);
   }
+}
+
+void Communicator::abort(bool ops_in_flight) {
+  mark_broken("abort() was called on it");
+  if (aborted_.exchange(true, std::memory_order_acq_rel) || !ops_in_flight) {
+    return;
+  }
+  // Off the caller's thread: abort() returns at once even when the store's
+  // host is stopped (the set is bounded by the store's own timeout).
+  std::thread([store = store_] {
+    try {
+      store->set(kAbandonedKey, std::vector<uint8_t>{1});
+    } catch (...) {
+    }
+  }).detach();
 }
 
 void Communicator::add_completion_hook(int64_t id, std::function<void(uint64_t)> hook) {

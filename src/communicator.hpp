@@ -23,6 +23,13 @@ namespace oneccl_bind_pt {
 
 class Shm;
 
+// At process exit. libfabric's endpoints belong to the process and outlive its
+// groups, and a group left unfreed (a peer died, an op was abandoned) keeps
+// them open: their /dev/shm segments can go only when the process ends, and
+// an exit through os._exit (multiprocessing's children) skips libfabric's own
+// cleanup.
+void unlink_own_fabric_segments();
+
 class Communicator {
  public:
   Communicator(
@@ -53,7 +60,24 @@ class Communicator {
   bool broken() const { return broken_.load(std::memory_order_acquire); }
   std::string broken_reason() const;
 
+  // Backend::abort(): every op in flight on the group fails at its next poll
+  // (a waiter polls continuously), and the group is broken. Idempotent.
+  // `ops_in_flight`: some op may stay inside oneCCL for good (it cannot be
+  // cancelled); the peers are told through the group's store, so that none
+  // frees its communicator and hands that op's tags to its next one.
+  void abort(bool ops_in_flight);
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+
+  // A broken group's peers on this host that died (or are stopped) cannot
+  // unlink libfabric's segments themselves: the survivors do, once, when the
+  // group is shut down or freed (Works still held can delay the latter past a
+  // multiprocessing child's os._exit).
+  void unlink_segments_of_dead_peers();
+
  private:
+  bool peer_abandoned_an_op() const;
+
+  c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
   int size_;
   std::shared_ptr<ccl::kvs> kvs_;
@@ -61,6 +85,8 @@ class Communicator {
   std::unique_ptr<CclTransport> ccl_; // after comm_, which it refers to
   std::unique_ptr<Shm> shm_;          // after ccl_, which it hands large steps to
   std::atomic<bool> broken_{false};
+  std::atomic<bool> aborted_{false};
+  std::atomic<bool> swept_{false};
   std::atomic<bool> has_hooks_{false};
   mutable std::mutex hooks_mutex_;
   std::map<int64_t, std::function<void(uint64_t)>> hooks_;

@@ -79,9 +79,17 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "_shutdown",
-      [] { oneccl_bind_pt::Progress::get().shutdown(); },
+      [] {
+        oneccl_bind_pt::Progress::get().shutdown();
+        oneccl_bind_pt::unlink_own_fabric_segments();
+      },
       py::call_guard<py::gil_scoped_release>(),
-      "Stops the background progress thread (called at interpreter exit).");
+      "Stops the background progress thread and unlinks libfabric's segments of this process "
+      "(called at interpreter exit).");
+  m.def(
+      "_unlink_own_fabric_segments",
+      &oneccl_bind_pt::unlink_own_fabric_segments,
+      "Unlinks libfabric's /dev/shm segments of this process (at a multiprocessing child's exit).");
   m.def(
       "_time_raw_oneccl",
       &oneccl_bind_pt::time_raw_oneccl,

@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 namespace oneccl_bind_pt {
 
@@ -19,10 +20,66 @@ ProcessGroupCCL::ProcessGroupCCL(
     int size,
     std::chrono::milliseconds timeout)
     : c10d::Backend(rank, size),
+      store_(store),
       comm_(std::make_shared<Communicator>(store, rank, size, timeout)),
       timeout_(timeout) {}
 
 ProcessGroupCCL::~ProcessGroupCCL() = default;
+
+void ProcessGroupCCL::abort() {
+  // A drain with no time to wait: whether this group has ops in flight.
+  const bool ops_in_flight = !Progress::get().drain(*comm_, Clock::now());
+  comm_->abort(ops_in_flight);
+  Progress::get().sweep(); // fails the ops nobody is waiting on too
+}
+
+void ProcessGroupCCL::shutdown() {
+  if (!Progress::get().drain(*comm_, Clock::now() + timeout_)) {
+    comm_->abort(true);
+    Progress::get().sweep();
+  }
+  comm_->unlink_segments_of_dead_peers(); // before the mark: only a group broken by a failure
+  comm_->mark_broken("shutdown() was called on it");
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupCCL::shrink(
+    const std::vector<int64_t>& ranks_to_exclude,
+    int shrink_flags,
+    const c10::intrusive_ptr<Options>& opts_override) {
+  constexpr int kShrinkAbort = 0x01; // torch.distributed.SHRINK_ABORT
+  std::vector<bool> excluded(size_, false);
+  std::string names;
+  for (const auto r : ranks_to_exclude) {
+    CCL_CHECK_ARG(r >= 0 && r < size_ && r != rank_, "ccl shrink: rank ", r,
+                  " cannot be excluded by rank ", rank_, " of a group of ", size_);
+    excluded[r] = true;
+    names += (names.empty() ? "" : ",") + std::to_string(r);
+    if (comm_->shm()) {
+      if (const int pid = comm_->shm()->running_peer_pid(static_cast<int>(r))) {
+        C10_THROW_ERROR(
+            DistBackendError,
+            "ccl shrink: rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
+                ") is still running; a group sheds ranks that died or are stopped, so end that "
+                "process first or keep it in the group");
+      }
+    }
+  }
+  if (shrink_flags & kShrinkAbort) {
+    abort();
+  }
+  int new_rank = 0;
+  int new_size = 0;
+  for (int r = 0; r < size_; ++r) {
+    if (!excluded[r]) {
+      new_rank += r < rank_;
+      ++new_size;
+    }
+  }
+  auto store = c10::make_intrusive<c10d::PrefixStore>(
+      "oneccl_bind_pt/shrink/" + std::to_string(shrinks_++) + "/without/" + names, store_);
+  return c10::make_intrusive<ProcessGroupCCL>(
+      store, new_rank, new_size, opts_override ? opts_override->timeout : timeout_);
+}
 
 c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupCCL::getBackendOptions() {
   return c10::make_intrusive<Options>("ccl", timeout_);

@@ -39,6 +39,19 @@ class ProcessGroupCCL : public c10d::Backend {
   void registerCompletionHook(int64_t id, c10d::CompletionHook hook) override;
   void unregisterCompletionHook(int64_t id) override { comm_->remove_completion_hook(id); }
 #endif
+  // abort(): every op in flight fails with a DistBackendError that says so,
+  // at once; the group is unusable after it. shutdown(): waits for the ops in
+  // flight (at most the group's timeout, then aborts them); unusable after it.
+  void abort() override;
+  void shutdown() override;
+  // shrink(): a new group of the ranks not excluded, made over the same
+  // Store (torch.distributed.shrink_group); SHRINK_ABORT aborts this group's
+  // ops first. On one host, excluding a rank whose process still runs raises.
+  bool supportsShrinking() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> shrink(
+      const std::vector<int64_t>& ranks_to_exclude,
+      int shrink_flags = 0,
+      const c10::intrusive_ptr<Options>& opts_override = nullptr) override;
   uint64_t getSequenceNumberForGroup() override { return seq_.load(std::memory_order_relaxed); }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
@@ -134,8 +147,10 @@ class ProcessGroupCCL : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(at::Tensor& tensor, const c10d::AllreduceOptions& opts);
 
+  c10::intrusive_ptr<c10d::Store> store_; // the group's, for the groups shrink() makes
   std::shared_ptr<Communicator> comm_;
   std::chrono::milliseconds timeout_;
+  int shrinks_ = 0; // every survivor shrinks in the same order: their new groups' keys agree
   void check_p2p_usable(const char* op) const;
 
   std::atomic<uint64_t> seq_{0};

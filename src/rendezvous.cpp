@@ -44,7 +44,8 @@ std::shared_ptr<ccl::kvs> rendezvous(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
-    std::chrono::milliseconds timeout) {
+    std::chrono::milliseconds timeout,
+    const std::string& whoami) {
   const auto seconds = std::to_string(timeout.count() / 1000.0);
   std::shared_ptr<ccl::kvs> kvs;
   try {
@@ -59,7 +60,7 @@ std::shared_ptr<ccl::kvs> rendezvous(
   }
 
   // Everybody announces itself, so a timeout can say who never came.
-  store->set(arrived_key(rank), std::vector<uint8_t>{1});
+  store->set(arrived_key(rank), std::vector<uint8_t>(whoami.begin(), whoami.end()));
   if (store->add(kArrivedCounter, 1) == size) {
     store->set(kAllArrivedKey, std::vector<uint8_t>{1});
   }
@@ -89,6 +90,11 @@ std::shared_ptr<ccl::kvs> rendezvous(
     }
   }
   return kvs;
+}
+
+std::string announced(c10d::Store& store, int rank) {
+  const auto bytes = store.get(arrived_key(rank));
+  return std::string(bytes.begin(), bytes.end());
 }
 
 std::vector<std::string> exchange(

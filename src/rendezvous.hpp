@@ -17,11 +17,16 @@ namespace oneccl_bind_pt {
 
 // Returns this rank's handle on the group's KVS once every rank of the group
 // has arrived; throws DistBackendError naming the missing ranks on timeout.
+// `whoami` is what this rank announces itself as (announced() reads it back).
 std::shared_ptr<ccl::kvs> rendezvous(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
-    std::chrono::milliseconds timeout);
+    std::chrono::milliseconds timeout,
+    const std::string& whoami);
+
+// What rank `rank` announced at rendezvous; throws if the store does not answer.
+std::string announced(c10d::Store& store, int rank);
 
 // Every rank contributes `mine` under `key`; returns all ranks' values, by
 // rank. Throws DistBackendError naming the missing ranks on timeout.

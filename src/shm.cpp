@@ -34,9 +34,8 @@ std::string link_target(const char* path) {
   return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
 }
 
-// Processes that can map each other's memory this way: same kernel boot,
-// same PID namespace (to name the peer's /proc entry), and, to keep
-// "hosts" in network namespaces apart, same network namespace and host name.
+} // namespace
+
 std::string host_identity() {
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
@@ -44,16 +43,18 @@ std::string host_identity() {
       "|" + link_target("/proc/self/ns/net") + "|" + host;
 }
 
-} // namespace
-
-// Dead or a zombie (a killed child its launcher has not reaped yet).
-bool process_gone(int pid) {
+char process_state(int pid) {
   if (kill(pid, 0) != 0 && errno == ESRCH) {
-    return true;
+    return 'X';
   }
   const std::string stat = read_first_line(("/proc/" + std::to_string(pid) + "/stat").c_str());
   const auto close = stat.rfind(')');
-  return close != std::string::npos && close + 2 < stat.size() && stat[close + 2] == 'Z';
+  return close != std::string::npos && close + 2 < stat.size() ? stat[close + 2] : '?';
+}
+
+bool process_gone(int pid) {
+  const char state = process_state(pid);
+  return state == 'X' || state == 'Z';
 }
 
 const char* Shm::path(Prim::Kind kind, size_t bytes) const {
@@ -208,6 +209,11 @@ bool Shm::any_peer_gone() const {
     }
   }
   return false;
+}
+
+int Shm::running_peer_pid(int peer) const {
+  const char state = process_state(pids_[peer]);
+  return state == 'X' || state == 'Z' || state == 'T' || state == 't' ? 0 : pids_[peer];
 }
 
 void Shm::check_peer_alive(int peer, const char* op) {

@@ -47,6 +47,16 @@ class Store;
 
 namespace oneccl_bind_pt {
 
+// Processes that can map each other's memory: same kernel boot, same PID
+// namespace (to name the peer's /proc entry), and, to keep "hosts" in network
+// namespaces apart, same network namespace and host name.
+std::string host_identity();
+// Dead or a zombie (a killed child its launcher has not reaped yet).
+bool process_gone(int pid);
+// The state letter of /proc/<pid>/stat ('R', 'S', 'T' stopped, 'Z' zombie,
+// ...), 'X' once the process is gone.
+char process_state(int pid);
+
 class ShmPending;
 class ShmRecv;
 class ShmSend;
@@ -72,6 +82,9 @@ class Shm final : public Transport {
   const std::string& single_copy_status() const { return single_copy_status_; }
   // Whether a peer's process has exited (or is a zombie).
   bool any_peer_gone() const;
+  // The pid of rank `peer` while its process runs (not exited, not a zombie,
+  // not stopped), else 0.
+  int running_peer_pid(int peer) const;
   // "shm" or "oneccl": where a step of `kind` staging `bytes` runs.
   const char* path(Prim::Kind kind, size_t bytes) const;
 

@@ -54,9 +54,6 @@ inline void relax(unsigned& spins) {
   }
 }
 
-// Dead or a zombie (a killed child its launcher has not reaped yet).
-bool process_gone(int pid);
-
 struct Shm::Sig {
   uint64_t step;
   char op[40];

@@ -1,5 +1,7 @@
 #include "work.hpp"
 
+#include <algorithm>
+
 #include "errors.hpp"
 
 #include <ATen/ThreadLocalState.h>
@@ -119,6 +121,13 @@ bool WorkCCL::poll_locked(Clock::time_point now) {
     return true;
   }
   if (!pending) {
+    return true;
+  }
+  if (comm_->aborted()) {
+    error_ = backend_error(
+        "ccl " + describe() + ": aborted: abort() was called on its process group before it completed. "
+        "The process group can no longer be used; destroy it and create a new one.");
+    expired_ = true; // the transport may still hold its buffers
     return true;
   }
   try {
@@ -307,6 +316,23 @@ void Progress::sweep() {
   }
   for (auto& work : finished) {
     work->complete();
+  }
+}
+
+bool Progress::drain(const Communicator& comm, Clock::time_point deadline) {
+  unsigned spins = 0;
+  for (;;) {
+    sweep();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (std::none_of(inflight_.begin(), inflight_.end(), [&](const auto& w) { return w->comm_.get() == &comm; })) {
+        return true;
+      }
+    }
+    if (Clock::now() > deadline) {
+      return false;
+    }
+    relax(spins);
   }
 }
 

@@ -136,6 +136,9 @@ class Progress {
   void track(c10::intrusive_ptr<WorkCCL> work);
   // One pass over every in-flight Work; completes the ones that finished.
   void sweep();
+  // Progresses until no Work of `comm` is in flight (true), or until
+  // `deadline` (false).
+  bool drain(const Communicator& comm, Clock::time_point deadline);
   // A Future handed out for an unfinished Work: the background thread keeps
   // progressing while any is outstanding (its owner may never call wait()).
   void watch_future();

@@ -97,11 +97,12 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
         time.sleep(interval)
 
 
-def announce(name: str) -> None:
-    """Inside a rank: tells the other ranks that `name` happened (through the group's store)."""
+def announce(name: str, store=None) -> None:
+    """Inside a rank: tells the other ranks that `name` happened (through the group's store, or
+    `store`: the default group's, taken before that group went away)."""
     import torch.distributed as dist
 
-    dist.distributed_c10d._get_default_store().set(f"harness/{name}", "1")
+    (store or dist.distributed_c10d._get_default_store()).set(f"harness/{name}", "1")
 
 
 def await_announcement(name: str, timeout: float = 120) -> None:

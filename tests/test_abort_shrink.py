@@ -1,0 +1,143 @@
+"""Backend abort(), shutdown() and shrink() through torch's own entry points, on both
+transports.
+
+abort: every op in flight on the group raises a DistBackendError that names abort, within
+1 s, and the process can make a new group and use it. shutdown (what destroy_process_group
+calls): ops in flight complete first. shrink (torch.distributed.shrink_group): the
+survivors of a SIGKILL train on (examples/elastic_shrink.py)."""
+
+import json
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import announce, await_announcement, free_port, run_job, run_ranks
+from test_launchers import ROOT
+
+TRANSPORTS = {"shm": {"ONECCL_BIND_PT_SHM": "1"}, "oneccl": {"ONECCL_BIND_PT_SHM": "0"}}
+
+
+def _new_world(rank, world, store):
+    dist.init_process_group("ccl", init_method=f"file://{store}", rank=rank, world_size=world)
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    return t[0].item()
+
+
+def _abort_in_flight(rank, world, second_store):
+    store = dist.distributed_c10d._get_default_store()  # outlives the aborted group
+    if rank == 0:
+        t = torch.ones(1 << 20)  # both transports' large-message paths
+        work = dist.all_reduce(t, async_op=True)  # rank 1 never joins it
+        assert not work.is_completed()
+        aborted = {}
+
+        def abort():
+            aborted["at"] = time.monotonic()
+            dist.distributed_c10d._abort_process_group()  # WORLD: torch aborts every group, then forgets them
+
+        thread = threading.Thread(target=abort)
+        thread.start()
+        with pytest.raises(dist.DistBackendError, match="abort") as raised:
+            work.wait()
+        took = time.monotonic() - aborted["at"]
+        thread.join()
+        assert took < 1.0, took
+        announce("rank 0 aborted", store)
+        message = str(raised.value).splitlines()[0]
+    else:
+        await_announcement("rank 0 aborted")
+        dist.destroy_process_group()
+        message = None
+    return message, _new_world(rank, world, second_store)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_abort_fails_the_ops_in_flight_and_a_new_group_works(transport, tmp_path):
+    # pg_timeout 60 s: the op would wait that long; abort must end it within 1 s.
+    got = run_ranks(_abort_in_flight, 2, str(tmp_path / "second"), env=TRANSPORTS[transport], pg_timeout=60)
+    message, total = got[0]
+    assert "aborted" in message and "allreduce" in message, message
+    assert [g[1] for g in got] == [3.0, 3.0]
+
+
+def _abort_twice(rank, world):
+    pg = dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))
+    dist.barrier()
+    backend.abort()
+    backend.abort()  # an aborted group: nothing happens
+    with pytest.raises(RuntimeError, match="abort"):
+        dist.all_reduce(torch.ones(4))
+    return True
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_abort_twice_does_nothing_and_later_ops_name_it(transport):
+    # The harness then destroys the aborted group: that must return, too.
+    assert run_ranks(_abort_twice, 2, env=TRANSPORTS[transport]) == [True, True]
+
+
+def _shutdown_drains(rank, world, second_store):
+    t = torch.full((1 << 18,), float(rank + 1))
+    if rank == 0:
+        work = dist.all_reduce(t, async_op=True)
+        assert not work.is_completed()  # rank 1 joins only when told
+        announce("rank 0 destroys its group")
+    else:
+        await_announcement("rank 0 destroys its group")
+        work = dist.all_reduce(t, async_op=True)
+    dist.destroy_process_group()  # shutdown(): waits for the op instead of failing it
+    assert work.is_completed()
+    work.wait()
+    assert t[0].item() == 3.0 and t[-1].item() == 3.0
+    return _new_world(rank, world, second_store)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_destroy_waits_for_ops_in_flight(transport, tmp_path):
+    assert run_ranks(_shutdown_drains, 2, str(tmp_path / "second"), env=TRANSPORTS[transport]) == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_shrink_example_trains_on_after_a_rank_is_killed(transport):
+    # On oneCCL the survivors learn of the death at the group timeout (--timeout 5).
+    out = run_job([sys.executable, "examples/elastic_shrink.py", "--port", str(free_port()), "--timeout", "5"],
+                  cwd=ROOT, env={**os.environ, **TRANSPORTS[transport]}, timeout=300)
+    for rank in (0, 1):
+        assert f"rank {rank}: step 5 failed" in out, out
+        assert f"rank {rank}: now rank {rank} of 2; redoing step 5" in out, out
+    assert "2 survivors trained 10 steps; parameters agree" in out, out
+    assert "exit codes [0, 0, -9]" in out, out
+
+
+def _shrink_a_running_rank(rank, world):
+    if rank < 2:
+        with pytest.raises(dist.DistBackendError, match=r"rank 2 \(pid \d+\) is still running"):
+            dist.shrink_group([2])
+    dist.barrier()  # the group is untouched: every rank, the one named too, goes on with it
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    return t[0].item()
+
+
+def test_shrink_of_a_rank_still_running_raises_on_every_caller():
+    # Only on one host can a rank see that another's process still runs.
+    assert run_ranks(_shrink_a_running_rank, 3, env=TRANSPORTS["shm"]) == [3.0, 3.0, 3.0]
+
+
+def test_fault_matrix_one_trial_per_cell(tmp_path):
+    # The reduced matrix (scripts/fault_matrix.py; docs/reliability.md has the full one):
+    # every fault on both transports, once, on this release.
+    report = tmp_path / "faults.json"
+    out = run_job([sys.executable, "scripts/fault_matrix.py", "--trials", "1", "--json", report], cwd=ROOT,
+                  env=dict(os.environ), timeout=900)
+    cells = json.loads(report.read_text())["cells"]
+    assert len(cells) == 8, cells
+    red = {cell: runs[0]["why"] for cell, runs in cells.items() if not runs[0]["ok"]}
+    assert not red, f"{red}\n{out}"

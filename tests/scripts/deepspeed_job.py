@@ -80,3 +80,6 @@ if backend == "ccl":
                 checked += 1
     print(f"rank {rank} mixed collectives ok {checked}", flush=True)
 dscomm.barrier()
+# As every job should: gloo's worker threads still alive at interpreter exit can end the
+# process in std::terminate (pytorch/pytorch#190489), which once failed the gloo reference run.
+dist.destroy_process_group()

@@ -3,6 +3,10 @@ and train on, without a restart.
 
     python examples/elastic_shrink.py [--nprocs 3] [--victim 2] [--kill-at 5] [--steps 10]
 
+    # across two hosts: rank 0 on the first, ranks 1 and 2 on the second
+    host-a$ python examples/elastic_shrink.py --ranks 0 --master-addr host-a
+    host-b$ python examples/elastic_shrink.py --ranks 1,2 --master-addr host-a
+
 Each rank trains the same small model with DistributedDataParallel on "ccl". At step
 --kill-at, rank --victim SIGKILLs itself after its forward pass. The other ranks' backward
 raises (on one host within half a second, naming the dead rank; across hosts at the group
@@ -38,7 +42,7 @@ def batch(step, rank):
 
 
 def train(rank, world, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.port))
     dist.init_process_group("ccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
@@ -86,17 +90,23 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=20, help="the group timeout, seconds")
     parser.add_argument("--port", type=int, default=29503)
+    parser.add_argument("--master-addr", default="127.0.0.1", help="the host of rank 0 (and of the store)")
+    parser.add_argument("--ranks", help="the ranks to start here, comma-separated (default: all); "
+                        "one invocation per host")
     args = parser.parse_args()
     if not 0 < args.victim < args.nprocs:
         parser.error(f"--victim must be a rank from 1 to {args.nprocs - 1}: rank 0 hosts the rendezvous store")
+    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else list(range(args.nprocs))
+    if not all(0 <= r < args.nprocs for r in ranks):
+        parser.error(f"--ranks must be ranks from 0 to {args.nprocs - 1}")
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=train, args=(r, args.nprocs, args)) for r in range(args.nprocs)]
+    procs = [ctx.Process(target=train, args=(r, args.nprocs, args)) for r in ranks]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
     codes = [p.exitcode for p in procs]
-    expected = [-signal.SIGKILL if r == args.victim else 0 for r in range(args.nprocs)]
+    expected = [-signal.SIGKILL if r == args.victim else 0 for r in ranks]
     print(f"exit codes {codes}")
     return 0 if codes == expected else 1
 

@@ -8,6 +8,7 @@ survivors of a SIGKILL train on (examples/elastic_shrink.py)."""
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -16,8 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import announce, await_announcement, free_port, run_job, run_ranks
+from harness import announce, await_announcement, communicate, free_port, popen, run_job, run_ranks
 from test_launchers import ROOT
+from test_reliability import two_hosts  # noqa: F401  the fixture
 
 TRANSPORTS = {"shm": {"ONECCL_BIND_PT_SHM": "1"}, "oneccl": {"ONECCL_BIND_PT_SHM": "0"}}
 
@@ -114,6 +116,27 @@ def test_shrink_example_trains_on_after_a_rank_is_killed(transport):
         assert f"rank {rank}: now rank {rank} of 2; redoing step 5" in out, out
     assert "2 survivors trained 10 steps; parameters agree" in out, out
     assert "exit codes [0, 0, -9]" in out, out
+
+
+def test_shrink_example_across_two_hosts(two_hosts):  # noqa: F811
+    # Rank 0 on one network-namespace host, ranks 1 and 2 on the other; rank 2 dies, so the
+    # survivors' new group spans the hosts: oneCCL over the veth link.
+    ns, _, addr = two_hosts
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CCL_", "FI_", "MASTER_", "ONECCL_"))}
+    procs = [
+        popen(["ip", "netns", "exec", ns[k], "unshare", "--uts", "sh", "-c", f'hostname {ns[k]} && exec "$@"', "sh",
+               sys.executable, "examples/elastic_shrink.py", "--ranks", ranks, "--master-addr", addr[0],
+               "--port", port, "--timeout", "10"],
+              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for k, ranks in ((0, "0"), (1, "1,2"))
+    ]
+    host_a, host_b = communicate(procs, 300)
+    out = host_a + host_b
+    for rank in (0, 1):
+        assert f"rank {rank}: now rank {rank} of 2; redoing step 5" in out, out
+    assert "2 survivors trained 10 steps; parameters agree" in host_a, out
+    assert "exit codes [0]" in host_a and "exit codes [0, -9]" in host_b, out
 
 
 def _shrink_a_running_rank(rank, world):

@@ -363,12 +363,14 @@ def print_table(title, header, lines):
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=title)
+        table = Table()
         for h in header:
-            table.add_column(h, justify="left" if h in ("op", "dtype", "backend") else "right")
+            table.add_column(h, justify="left" if h in ("op", "dtype", "backend", "fault") else "right")
         for row in lines:
             table.add_row(*row)
-        Console(width=320).print(table)
+        console = Console(width=320)
+        console.print(title)  # as a table title, rich would wrap it to a narrow table's width
+        console.print(table)
     except ImportError:
         print(title)
         widths = [max(len(h), *(len(r[i]) for r in lines)) for i, h in enumerate(header)]

@@ -32,7 +32,9 @@ import multiprocessing
 import os
 import random
 import re
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -111,6 +113,15 @@ def _dev_shm_of(pids):
     return sorted(n for n in os.listdir("/dev/shm") if pids & set(re.split(r"\D+", n)))
 
 
+def _stacks(pid):
+    """Where a hung rank is: every thread's innermost frames (gdb, when there is one)."""
+    if not shutil.which("gdb"):
+        return "no gdb to show where it hung"
+    out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 40"],
+                         capture_output=True, text=True, timeout=120).stdout
+    return "\n".join(line for line in out.splitlines() if line.startswith(("#", "Thread")))
+
+
 def trial(fault, transport, world, timeout, seed):
     ctx = multiprocessing.get_context("spawn")
     rng = random.Random(seed)
@@ -142,6 +153,7 @@ def trial(fault, transport, world, timeout, seed):
             procs[r].join(max(0.1, fault_at + timeout + 30 - time.time()))
             if procs[r].exitcode is None:
                 hung.append(r)
+        stacks = {r: _stacks(procs[r].pid) for r in hung}
         for p in procs:
             if p.exitcode is None:
                 p.kill()
@@ -165,7 +177,7 @@ def trial(fault, transport, world, timeout, seed):
         for name in left:
             os.unlink(f"/dev/shm/{name}")
         errors = sorted({r["error"].split(" (rank")[0] for r in results.values() if r["error"]})
-        return {"ok": not why, "why": "; ".join(why), "victim": victim, "errors": errors}
+        return {"ok": not why, "why": "; ".join(why), "victim": victim, "errors": errors, "hung_stacks": stacks}
 
 
 def main(argv=None):

@@ -34,7 +34,11 @@ void ProcessGroupCCL::abort() {
 }
 
 void ProcessGroupCCL::shutdown() {
-  if (!Progress::get().drain(*comm_, Clock::now() + timeout_)) {
+  // A group that already failed (a peer died, an op timed out) is not drained:
+  // progressing its other ops would only take this rank back into oneCCL with
+  // a dead peer, where (measured, under load) a survivor spun for good or died
+  // of SIGABRT. They fail at once instead.
+  if (comm_->broken() || !Progress::get().drain(*comm_, Clock::now() + timeout_)) {
     comm_->abort(true);
     Progress::get().sweep();
   }

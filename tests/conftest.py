@@ -104,4 +104,4 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             # Named, so that the summary (-ra) lists each one not run.
-            item.add_marker(pytest.mark.skip(reason=f"{item.name} is a long variant: pass --runslow"))
+            item.add_marker(pytest.mark.skip(reason=f"{item.name} runs with --runslow only"))

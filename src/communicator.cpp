@@ -145,12 +145,14 @@ std::unique_ptr<Pending> Communicator::start(const char* op, std::vector<Prim> p
   return transport.start(op, std::move(prims));
 }
 
-void Communicator::mark_broken(const std::string& why) {
+bool Communicator::mark_broken(const std::string& why) {
   std::lock_guard<std::mutex> lock(why_mutex_);
-  if (!broken_.load(std::memory_order_relaxed)) {
-    why_ = why;
-    broken_.store(true, std::memory_order_release);
+  if (broken_.load(std::memory_order_relaxed)) {
+    return false;
   }
+  why_ = why;
+  broken_.store(true, std::memory_order_release);
+  return true;
 }
 
 void Communicator::abort(bool ops_in_flight) {
@@ -204,6 +206,32 @@ void Communicator::completed(uint64_t key) const {
   std::lock_guard<std::mutex> lock(hooks_mutex_);
   for (const auto& entry : hooks_) {
     entry.second(key);
+  }
+}
+
+void Communicator::add_abort_hook(int64_t id, std::function<void()> hook) {
+  std::lock_guard<std::mutex> lock(hooks_mutex_);
+  abort_hooks_[id] = std::move(hook);
+}
+
+void Communicator::remove_abort_hook(int64_t id) {
+  std::lock_guard<std::mutex> lock(hooks_mutex_);
+  abort_hooks_.erase(id);
+}
+
+void Communicator::run_abort_hooks() {
+  std::map<int64_t, std::function<void()>> hooks;
+  {
+    // Called without the lock: a hook may (un)register hooks.
+    std::lock_guard<std::mutex> lock(hooks_mutex_);
+    hooks = abort_hooks_;
+  }
+  for (const auto& entry : hooks) {
+    try {
+      entry.second();
+    } catch (const std::exception& e) {
+      TORCH_WARN("ccl: abort hook ", entry.first, " raised (ignored; the group's error follows): ", e.what());
+    }
   }
 }
 

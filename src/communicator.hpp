@@ -54,9 +54,18 @@ class Communicator {
   void remove_completion_hook(int64_t id);
   void completed(uint64_t key) const;
 
+  // Abort hooks (torch 2.14 on: Backend::registerAbortHook): called once,
+  // in the order of their ids, when an op's timeout or failure breaks the
+  // group, before that op completes with its error. Not on abort(), which
+  // the caller asked for. A hook that throws is reported as a warning.
+  void add_abort_hook(int64_t id, std::function<void()> hook);
+  void remove_abort_hook(int64_t id);
+  void run_abort_hooks();
+
   // After a timeout or a oneCCL failure, operations may still be in flight and
   // peers may sit in different collectives: nothing more can run safely.
-  void mark_broken(const std::string& why);
+  // True for the call that broke it.
+  bool mark_broken(const std::string& why);
   bool broken() const { return broken_.load(std::memory_order_acquire); }
   std::string broken_reason() const;
 
@@ -92,6 +101,7 @@ class Communicator {
   std::atomic<bool> has_hooks_{false};
   mutable std::mutex hooks_mutex_;
   std::map<int64_t, std::function<void(uint64_t)>> hooks_;
+  std::map<int64_t, std::function<void()>> abort_hooks_; // under hooks_mutex_
   mutable std::mutex why_mutex_;
   std::string why_;
 };

@@ -14,6 +14,10 @@
 // all_gather_single_coalesced.
 #define OBPT_HAS_GATHER_SINGLE OBPT_TORCH_AT_LEAST(2, 14)
 #define OBPT_HAS_WORK_TIMEOUT OBPT_TORCH_AT_LEAST(2, 14)
+// 2.14: abort hooks (Backend::registerAbortHook), run before a backend gives
+// up on a timeout or error; 2.15 adds supportsAbortHooks to advertise them.
+#define OBPT_HAS_ABORT_HOOKS OBPT_TORCH_AT_LEAST(2, 14)
+#define OBPT_HAS_SUPPORTS_ABORT_HOOKS OBPT_TORCH_AT_LEAST(2, 15)
 
 // 2.15: completion hooks and Work::getCompletionKey. torch attaches its
 // FlightRecorder to every process group; without them it would record each

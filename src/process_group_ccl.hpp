@@ -44,6 +44,14 @@ class ProcessGroupCCL : public c10d::Backend {
   // flight (at most the group's timeout, then aborts them); unusable after it.
   void abort() override;
   void shutdown() override;
+#if OBPT_HAS_ABORT_HOOKS
+  // Called when an op's timeout or failure breaks the group (Communicator).
+  void registerAbortHook(int64_t id, c10d::AbortHook hook) override { comm_->add_abort_hook(id, std::move(hook)); }
+  void unregisterAbortHook(int64_t id) override { comm_->remove_abort_hook(id); }
+#endif
+#if OBPT_HAS_SUPPORTS_ABORT_HOOKS
+  bool supportsAbortHooks() const override { return true; }
+#endif
   // shrink(): a new group of the ranks not excluded, made over the same
   // Store (torch.distributed.shrink_group); SHRINK_ABORT aborts this group's
   // ops first. On one host, excluding a rank whose process still runs raises.

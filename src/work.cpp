@@ -143,7 +143,7 @@ bool WorkCCL::poll_locked(Clock::time_point now) {
     const auto msg = c10_error ? std::string(c10_error->what_without_backtrace())
                                : "ccl " + describe() + ": oneCCL failed while running it: " + e.what() +
             ". The process group can no longer be used.";
-    comm_->mark_broken(msg);
+    broke_group_ = comm_->mark_broken(msg);
     error_ = backend_error(msg);
     expired_ = true;
     return true;
@@ -155,7 +155,7 @@ bool WorkCCL::poll_locked(Clock::time_point now) {
         " ms: Timed out waiting for the other ranks; a peer may have died, hung, or called a "
         "different collective. "
         "The process group can no longer be used; destroy it and create a new one.";
-    comm_->mark_broken(msg);
+    broke_group_ = comm_->mark_broken(msg);
     error_ = backend_error(msg);
     expired_ = true;
     return true;
@@ -164,6 +164,11 @@ bool WorkCCL::poll_locked(Clock::time_point now) {
 }
 
 void WorkCCL::complete() {
+  if (broke_group_) {
+    // Outside Progress's lock, before any waiter sees the error: a hook may
+    // take the GIL (a Python one) or read the group's state for a dump.
+    comm_->run_abort_hooks();
+  }
   std::exception_ptr error = error_;
   if (!error && on_success) {
     try {

@@ -74,3 +74,44 @@ def test_flight_recorder_records_completion_not_issue():
     (in_flight, states0), (_, states1) = run_ranks(_flight_recorder, 2)
     assert in_flight != "completed", states0
     assert states0[-2:] == ["completed", "completed"] and states1[-2:] == ["completed", "completed"]
+
+
+def _abort_hooks(rank, world):
+    pg = dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))
+    seen = []
+
+    def failing_hook():
+        seen.append("failing hook")
+        raise RuntimeError("a hook's own bug")
+
+    pg.register_abort_hook(1, lambda: seen.append("hook 1"))
+    pg.register_abort_hook(2, lambda: seen.append("hook 2 (unregistered)"))
+    pg.register_abort_hook(3, failing_hook)
+    pg.unregister_abort_hook(2)
+    supports = backend.supports_abort_hooks() if _at_least(2, 15) else None
+    dist.all_reduce(torch.ones(4))  # hooks are not run for an op that completes
+    if rank == 1:
+        await_announcement("rank 0 saw the timeout")  # never joins the next all_reduce
+        return seen, supports
+    work = dist.all_reduce(torch.ones(1 << 16), async_op=True)  # rank 1 is not there: times out
+    try:
+        work.wait()
+    except dist.DistBackendError as e:
+        seen.append("wait raised: " + ("timed out" if "Timed out" in str(e) else str(e)))
+    finally:
+        announce("rank 0 saw the timeout")
+    with pytest.raises(RuntimeError):
+        dist.all_reduce(torch.ones(4))  # the group is broken: the hooks do not run again
+    return seen, supports
+
+
+@needs_2_14
+@pytest.mark.parametrize("transport", ["1", "0"], ids=["shm", "oneccl"])
+def test_abort_hooks_run_once_before_a_timeout_is_raised(transport):
+    (seen, supports), (peer_seen, _) = run_ranks(_abort_hooks, 2, pg_timeout=2,
+                                                   env={"ONECCL_BIND_PT_SHM": transport})
+    # In id order; the failing hook is reported as a warning and the op's own error follows.
+    assert seen == ["hook 1", "failing hook", "wait raised: timed out"], seen
+    assert peer_seen == [], peer_seen  # its group never failed while it ran
+    assert supports in (None, True)

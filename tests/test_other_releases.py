@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 import yaml
 from harness import run_job
+from test_conda import conda_proof
 
 ROOT = Path(__file__).resolve().parent.parent
 META = yaml.safe_load((ROOT / "meta" / "releases.yaml").read_text())
@@ -151,6 +152,26 @@ def test_wheel_for_another_python_is_refused_by_pip(proven):
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", str(wheel)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "is not a supported wheel on this platform" in proc.stderr, proc.stderr
+
+
+def test_conda_package_on_the_pairs_python(proven, tmp_path):
+    """The offline conda proof (tests/test_conda.py) for the pair marked `conda`: another
+    Python's interpreter, whose torch on PyPI is a CUDA build (its nvidia-* stand-ins too)."""
+    pair = proven["pair"]
+    if not pair.get("conda"):
+        pytest.skip(f"the conda proof runs on the pair marked conda in meta/releases.yaml, not {_id(pair)}")
+    _run([proven["venv"] / "bin" / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+          "--no-compile", *META["pip"]["conda"]["pins"]], timeout=1800)
+    start = time.monotonic()
+    # Its stand-ins (a CUDA torch's nvidia-* libraries) take about 12 GB: not kept for the next run.
+    cache = tmp_path / "cache"
+    try:
+        rep = conda_proof(proven["venv"] / "bin" / "python", tmp_path, torch=pair["torch"], cache=cache, timeout=3000)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+        shutil.rmtree(tmp_path / "work", ignore_errors=True)
+    assert rep["python"] == pair["python"] and rep["torch"] == pair["torch"], rep
+    print(f"{_id(pair)}: conda proof {time.monotonic() - start:.0f} s", file=sys.stderr)
 
 
 def test_installed_wheel_passes_the_subset(proven):

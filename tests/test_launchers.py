@@ -6,13 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn as nn
 
 from harness import free_port, run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+sys.path.append(str(ROOT / "scripts"))
+from ddp_reference import ddp_example_checksum, one_process_checksum  # noqa: E402
 
 
 def run(cmd, timeout=180, env=None):
@@ -37,30 +37,14 @@ def checksums(out, world, reference):
     return sums
 
 
-def _train_as_one_process(world, lr, steps, seed_of_rank):
-    # DDP averages the ranks' gradients: the gradient of their mean loss.
-    torch.manual_seed(0)
-    model = nn.Linear(4, 5)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    batches = []
-    for r in range(world):
-        torch.manual_seed(seed_of_rank(r))
-        batches.append([(torch.randn(2, 4), torch.randn(2, 5)) for _ in range(steps)])
-    for step in range(steps):
-        optimizer.zero_grad()
-        sum(nn.functional.mse_loss(model(b[step][0]), b[step][1]) for b in batches).div(world).backward()
-        optimizer.step()
-    return sum(p.detach().double().sum().item() for p in model.parameters())
-
-
 def ddp_reference(world):
     """examples/ddp.py's final checksum, computed in this process without distribution."""
-    return _train_as_one_process(world, lr=0.01, steps=3, seed_of_rank=lambda r: 100 + r)
+    return ddp_example_checksum(world)
 
 
 def mpi_style_reference(world):
     """tests/scripts/mpi_style.py's final checksum, computed in this process."""
-    return _train_as_one_process(world, lr=0.1, steps=3, seed_of_rank=lambda r: r)
+    return one_process_checksum(world, lr=0.1, steps=3, seed_of_rank=lambda r: r)
 
 
 def test_torchrun_ddp_example():

@@ -9,8 +9,8 @@ release is made and installed:
    venvs and objects are kept under build/release/ between runs, never shared between pairs.
 2. scripts/check_wheel.py installs that wheel into a fresh venv of the pair's Python that
    holds only its torch, with no compiler, and trains examples/ddp.py under torchrun and
-   mpirun to gloo's checksum; on torch >= 2.14 a script that never imports the package
-   trains on "ccl" (the entry point).
+   mpirun to the checksum one process computes (scripts/ddp_reference.py); on torch >= 2.14
+   a script that never imports the package trains on "ccl" (the entry point).
 3. That venv then gets the release's test pins, and its pytest runs SUBSET against the
    installed wheel: the package and build checks, the c10d API the release added, the op x
    dtype matrix on 2 ranks through both transports, async and errors where the release's
@@ -66,7 +66,7 @@ SUBSET = [
         "test_abort_fails_the_ops_in_flight_and_a_new_group_works",
         "test_a_peer_told_of_an_abort_finds_the_abandoned_op_recorded",
         "test_shrink_example_trains_on_after_a_rank_is_killed[shm]")),
-    # DDP against gloo under torchrun and mpirun is check_wheel's (step 2), not repeated here.
+    # DDP under torchrun and mpirun against one process is check_wheel's (step 2), not repeated here.
     "tests/test_examples.py::test_fsdp_example_trains_like_one_process_on_the_whole_batch",
     # PyTorch's own suite, its smoke plan (6 cases against gloo; marked slow at home).
     "tests/test_pytorch_suite.py::test_ccl_matches_gloo[smoke]", "--runslow",

@@ -2,6 +2,7 @@
 
     python -m oneccl_bind_pt.bench                         # spawns 2 ranks here
     python -m oneccl_bind_pt.bench --nprocs 4 --ops allreduce
+    python -m oneccl_bind_pt.bench --memory-hog            # beside a process taking memory bandwidth
     torchrun --nproc_per_node 2 -m oneccl_bind_pt.bench
     mpirun -n 2 python -m oneccl_bind_pt.bench --json out.json --plot out.png
 
@@ -29,11 +30,13 @@ time is half a round trip.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -416,7 +419,8 @@ def run(rank, world, args):
         report(results, world, args)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"world": world, "cpus": os.cpu_count(), "points": [asdict(p) for p in results]}, f, indent=1)
+                json.dump({"world": world, "cpus": os.cpu_count(), "memory_hog": args.memory_hog,
+                           "points": [asdict(p) for p in results]}, f, indent=1)
         if args.plot:
             plot(results, args.plot)
     return results
@@ -468,6 +472,9 @@ def parse_args(argv=None):
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write a PNG of time and bus bandwidth vs size here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--memory-hog", action="store_true",
+                   help="run one more process beside the ranks that streams copies through memory (a neighbour "
+                   "taking memory bandwidth, and a core)")
     args = p.parse_args(argv)
     args.ops = args.ops.split(",")
     args.dtypes = args.dtypes.split(",")
@@ -492,8 +499,42 @@ def check_choices(parser, **lists):
             parser.error(f"unknown {name} {bad}; expected some of {list(known)}")
 
 
+# A neighbour that uses memory bandwidth: one thread copying 256 MiB back and forth
+# (far beyond any cache), until it is told to stop; then it says how fast it copied.
+MEMORY_HOG = """
+import signal, sys, time, torch
+torch.set_num_threads(1)
+a, b = torch.ones(64 << 20), torch.empty(64 << 20)
+copies, start = 0, time.perf_counter()
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+try:
+    while True:
+        b.copy_(a)
+        copies += 1
+finally:
+    gbps = copies * a.nbytes * 2 / (time.perf_counter() - start) / 1e9
+    print(f"memory hog: {copies} copies of 256 MiB, {gbps:.1f} GB/s read+written", flush=True)
+"""
+
+
+@contextlib.contextmanager
+def memory_hog(on):
+    """Runs MEMORY_HOG beside the benchmark (once per host: local rank 0 starts it)."""
+    if not on or os.environ.get("LOCAL_RANK", "0") != "0":
+        yield
+        return
+    hog = subprocess.Popen([sys.executable, "-c", MEMORY_HOG])
+    try:
+        yield
+    finally:
+        hog.terminate()
+        hog.wait(timeout=30)
+
+
 def main(argv=None):
-    return launch(run, parse_args(argv))
+    args = parse_args(argv)
+    with memory_hog(args.memory_hog):
+        return launch(run, args)
 
 
 if __name__ == "__main__":

@@ -36,10 +36,25 @@ at::ScalarType kernel_dtype(at::ScalarType dtype) {
   return dtype;
 }
 
+namespace {
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return yes;
+}
+} // namespace
+
 ReduceKernel reduce_kernel(at::ScalarType dtype, c10d::ReduceOp::RedOpType op) {
-  static const bool has_avx2 = __builtin_cpu_supports("avx2") &&
-      __builtin_cpu_supports("f16c");
-  return has_avx2 ? avx2::table(kernel_dtype(dtype), op) : baseline::table(kernel_dtype(dtype), op);
+  return has_avx2() ? avx2::table(kernel_dtype(dtype), op) : baseline::table(kernel_dtype(dtype), op);
+}
+
+void copy_bytes(void* dst, const void* src, size_t n) {
+  if (n < 4096) {
+    std::memcpy(dst, src, n); // below glibc's rep movsb sizes: its vector moves
+  } else if (has_avx2()) {
+    avx2::copy(dst, src, n);
+  } else {
+    baseline::copy(dst, src, n);
+  }
 }
 
 } // namespace oneccl_bind_pt

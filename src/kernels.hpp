@@ -27,4 +27,14 @@ ReduceKernel reduce_kernel(at::ScalarType dtype, c10d::ReduceOp::RedOpType op);
 // The element type a kernel sees for `dtype` (complex -> its real type).
 at::ScalarType kernel_dtype(at::ScalarType dtype);
 
+// memcpy for the transport's copies of tensors and staging buffers (no overlap).
+// glibc's memcpy moves sizes from a few KiB up to its non-temporal threshold with
+// `rep movsb`, which on some CPUs (AMD EPYC here) runs 4-5x slower for some offsets
+// between source and destination: a 1 MiB all-to-all took 50 us or 280-300 us from
+// one process start to the next (the tensors' page offsets change), and 52-54 us
+// every time with GLIBC_TUNABLES=glibc.cpu.x86_rep_movsb_threshold raised; in the
+// benchmark broadcast from 64 KiB to 4 MiB took 3-5x raw oneCCL's time. A plain
+// forward loop of vector moves takes the same time whatever the offsets.
+void copy_bytes(void* dst, const void* src, size_t n);
+
 } // namespace oneccl_bind_pt

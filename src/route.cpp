@@ -40,9 +40,12 @@ size_t env_bytes(const char* name, size_t fallback) {
 // copy"): reading peers with process_vm_readv costs page pinning, and from ~16 MiB the
 // staged path, whose 2 MiB buffers stay in cache, was as fast or faster. allreduce,
 // broadcast and all-to-all showed no steady gain over three runs: they stay staged.
+// send/recv stays streamed: there the sender's copy into the ring and the receiver's
+// copy out of it run at once on two cores; the receiver's single read was 1.2-2.2x slower
+// from 16 KiB to 64 MiB quiet, and slower at 6 of 7 sizes beside a memory hog.
 constexpr size_t kNever = SIZE_MAX;
-constexpr PerKind kSingleCopyFrom{kNever, kNever, kNever, size_t{1} << 20, kNever, size_t{256} << 10};
-constexpr PerKind kSingleCopyTo{0, 0, 0, size_t{4} << 20, 0, size_t{4} << 20};
+constexpr PerKind kSingleCopyFrom{kNever, kNever, kNever, size_t{1} << 20, kNever, size_t{256} << 10, kNever};
+constexpr PerKind kSingleCopyTo{0, 0, 0, size_t{4} << 20, 0, size_t{4} << 20, kNever};
 
 bool env_on(const char* name) {
   const char* v = std::getenv(name);
@@ -72,10 +75,10 @@ ShmLimits ShmLimits::from_env() {
   const char* atl_shm = std::getenv("CCL_ATL_SHM");
   const bool ccl_has_shm = atl_shm && std::string(atl_shm) == "1";
   ShmLimits l;
-  l.max_bytes = PerKind{kAny, kAny, kAny, kAny, ccl_has_shm ? size_t{1} << 20 : kAny, kAny};
+  l.max_bytes = PerKind{kAny, kAny, kAny, kAny, ccl_has_shm ? size_t{1} << 20 : kAny, kAny, kAny};
   const size_t all = env_bytes("ONECCL_BIND_PT_SHM_MAX_BYTES", 0);
   if (all > 0) {
-    l.max_bytes = PerKind{all, all, all, all, all, all};
+    l.max_bytes = PerKind{all, all, all, all, all, all, kAny};
   }
   // Single copy: where reading peers' tensors directly beat staging them
   // (docs/performance.md, "single copy").
@@ -85,8 +88,8 @@ ShmLimits ShmLimits::from_env() {
   if (from && *from) {
     // One threshold for every kind, with no upper end.
     const size_t b = env_bytes("ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES", kAny);
-    l.single_copy = PerKind{b, b, b, b, b, b};
-    l.single_copy_to = PerKind{kAny, kAny, kAny, kAny, kAny, kAny};
+    l.single_copy = PerKind{b, b, b, b, b, b, b};
+    l.single_copy_to = PerKind{kAny, kAny, kAny, kAny, kAny, kAny, kAny};
   }
   return l;
 }
@@ -94,9 +97,12 @@ ShmLimits ShmLimits::from_env() {
 Route ShmLimits::route(Prim::Kind kind, size_t bytes, bool group_has_cma) const {
   switch (kind) {
     case Prim::Kind::Send:
+      // Streamed through the rings, or, from a size on, read by the receiver.
+      return group_has_cma && bytes > 0 && bytes >= single_copy.send && bytes <= single_copy_to.send ? Route::Cma
+                                                                                                     : Route::Shm;
     case Prim::Kind::Recv:
     case Prim::Kind::Barrier:
-      return Route::Shm; // streamed through the rings, any size
+      return Route::Shm;
     default:
       if (bytes > max_bytes.of(kind)) {
         return Route::OneCCL;
@@ -114,6 +120,7 @@ size_t PerKind::of(Prim::Kind kind) const {
     case Prim::Kind::Allgatherv: return allgather;
     case Prim::Kind::Alltoallv: return alltoall;
     case Prim::Kind::ReduceScatter: return reduce_scatter;
+    case Prim::Kind::Send: return send;
     default: return SIZE_MAX;
   }
 }

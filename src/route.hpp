@@ -8,11 +8,13 @@
 //    into the sender's buffer, out of it), best for small messages;
 //  - cma: single copy, each rank reading its peers' tensors directly
 //    (process_vm_readv), from a size per kind on, when the group can (every
-//    rank may read every peer's memory: Shm::connect probes it);
+//    rank may read every peer's memory: Shm::connect probes it); for a send,
+//    the receiver reads the sender's tensor;
 //  - oneccl: the oneCCL transport, above a kind's limit (none by default
 //    but all-to-all against oneCCL's own shared memory).
-// send/recv and the barrier always stay on shm. Groups without shared memory
-// use oneCCL for all.
+// send/recv and the barrier never go to oneCCL (the sender decides a send's
+// route; a recv takes whatever comes). Groups without shared memory use oneCCL
+// for all.
 #pragma once
 
 #include "transport.hpp"
@@ -28,9 +30,9 @@ inline const char* route_name(Route r) {
   return r == Route::Shm ? "shm" : r == Route::Cma ? "cma" : "oneccl";
 }
 
-// One size per collective kind (bytes of one rank's data).
+// One size per kind (bytes of one rank's data; send: the message).
 struct PerKind {
-  size_t allreduce, reduce, broadcast, allgather, alltoall, reduce_scatter;
+  size_t allreduce, reduce, broadcast, allgather, alltoall, reduce_scatter, send;
   size_t of(Prim::Kind kind) const;
 };
 

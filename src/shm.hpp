@@ -137,6 +137,7 @@ class Shm final : public Transport {
 
   // send/recv
   struct Incoming; // a message being received, or waiting for its recv
+  void read_message(Incoming& in, uint64_t addr); // a single-copy message, into its recv or held
   std::vector<std::deque<ShmSend*>> sends_;           // per destination
   std::vector<uint64_t> next_msg_;                    // per destination
   std::vector<std::unique_ptr<Incoming>> current_in_; // per source: message mid-stream

@@ -115,21 +115,21 @@ void ShmPending::stage(const Prim& p) {
     switch (p.kind) {
       case Prim::Kind::Allreduce:
       case Prim::Kind::Reduce:
-        std::memcpy(buf, src + lo * unit, (hi - lo) * unit);
+        copy_bytes(buf, src + lo * unit, (hi - lo) * unit);
         break;
       case Prim::Kind::ReduceScatter:
         for (int q = 0; q < n; ++q) {
-          std::memcpy(buf + q * (hi - lo) * unit, src + (q * p.count + lo) * unit, (hi - lo) * unit);
+          copy_bytes(buf + q * (hi - lo) * unit, src + (q * p.count + lo) * unit, (hi - lo) * unit);
         }
         break;
       case Prim::Kind::Broadcast:
         if (p.peer == me) {
-          std::memcpy(buf, src + lo, hi - lo);
+          copy_bytes(buf, src + lo, hi - lo);
         }
         break;
       case Prim::Kind::Allgatherv:
         if (p.count > lo) {
-          std::memcpy(buf, src + lo, std::min(p.count, hi) - lo);
+          copy_bytes(buf, src + lo, std::min(p.count, hi) - lo);
         }
         break;
       case Prim::Kind::Alltoallv: {
@@ -139,7 +139,7 @@ void ShmPending::stage(const Prim& p) {
         size_t offset = 0;
         for (int q = 0; q < n; ++q) {
           if (p.send_counts[q] > from) {
-            std::memcpy(buf + q * cap, src + offset + from, std::min(cap, p.send_counts[q] - from));
+            copy_bytes(buf + q * cap, src + offset + from, std::min(cap, p.send_counts[q] - from));
           }
           offset += p.send_counts[q];
         }
@@ -327,7 +327,7 @@ bool ShmPending::move(const Prim& p) {
     }
     case Prim::Kind::Broadcast:
       if (p.peer != me && w > 0) {
-        std::memcpy(dst + lo, in[p.peer], w);
+        copy_bytes(dst + lo, in[p.peer], w);
       }
       return true;
     case Prim::Kind::Allgatherv: {
@@ -336,7 +336,7 @@ bool ShmPending::move(const Prim& p) {
         const size_t theirs = p.recv_counts[q];
         char* to = p.dst_list.empty() ? dst + offset : static_cast<char*>(p.dst_list[q]);
         if (theirs > lo) {
-          std::memcpy(to + lo, in[q], std::min(theirs, hi) - lo);
+          copy_bytes(to + lo, in[q], std::min(theirs, hi) - lo);
         }
         offset += theirs;
       }
@@ -348,7 +348,7 @@ bool ShmPending::move(const Prim& p) {
       size_t offset = 0;
       for (int q = 0; q < n; ++q) {
         if (p.recv_counts[q] > from) {
-          std::memcpy(dst + offset + from, static_cast<const char*>(in[q]) + me * cap,
+          copy_bytes(dst + offset + from, static_cast<const char*>(in[q]) + me * cap,
                       std::min(cap, p.recv_counts[q] - from));
         }
         offset += p.recv_counts[q];
@@ -387,7 +387,7 @@ bool ShmPending::finish_two_meetings(const Prim& p) {
         shm_.read_peer(q, dst + slo * unit, shm_.sig(q, step_)->dst + (lo + slo) * unit, (shi - slo) * unit, op_);
       }
     } else {
-      std::memcpy(dst + slo * unit, shm_.buffer(q, step_) + slo * unit, (shi - slo) * unit);
+      copy_bytes(dst + slo * unit, shm_.buffer(q, step_) + slo * unit, (shi - slo) * unit);
     }
   }
   return true;

@@ -17,7 +17,7 @@ namespace oneccl_bind_pt {
 
 using Clock = std::chrono::steady_clock;
 
-inline constexpr uint64_t kMagic = 0x31766d6873747062ull; // "bptshmv1"
+inline constexpr uint64_t kMagic = 0x32766d6873747062ull; // "bptshmv2"
 inline constexpr size_t kLine = 64;
 inline constexpr size_t kPage = 4096;
 inline constexpr size_t kSlots = 8;              // message slots per (sender, receiver)
@@ -79,7 +79,10 @@ struct Shm::SlotHeader {
   uint64_t total;  // bytes of the whole message
   uint64_t offset; // of this chunk
   uint64_t bytes;  // in this chunk
+  uint64_t addr;   // 0, or the whole message left in the sender's tensor, at this address in its
+                   // memory, for the receiver to read (single copy; the only slot of the message)
 };
+static_assert(sizeof(Shm::SlotHeader) <= kLine, "a slot's header fits its cache line");
 
 struct Shm::Layout {
   size_t arrived, reduced, done, sigs, counts, heads, tails, rings, buffers, buffer_bytes, total;
@@ -154,6 +157,7 @@ struct Shm::Incoming {
   bool complete = false;
   ShmRecv* recv = nullptr;    // bound receive, if posted
   std::vector<char> held;      // unexpected: the bytes, until a recv takes them
+  std::string error;           // reading the sender's tensor failed: what the recv raises
 };
 
 } // namespace oneccl_bind_pt

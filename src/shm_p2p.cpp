@@ -1,6 +1,7 @@
 #include "shm_internal.hpp"
 
 #include "errors.hpp"
+#include "kernels.hpp"
 
 #include <c10/util/Exception.h>
 
@@ -14,7 +15,13 @@ namespace oneccl_bind_pt {
 
 class ShmSend final : public Pending {
  public:
-  ShmSend(Shm& shm, const Prim& p) : shm_(shm), peer_(p.peer), tag_(p.tag), src_(static_cast<const char*>(p.src)), bytes_(p.count) {
+  ShmSend(Shm& shm, const Prim& p)
+      : shm_(shm),
+        peer_(p.peer),
+        tag_(p.tag),
+        src_(static_cast<const char*>(p.src)),
+        bytes_(p.count),
+        single_copy_(shm.limits_.route(Prim::Kind::Send, p.count, shm.single_copy_) == Route::Cma) {
     shm_.sends_[peer_].push_back(this);
   }
   ~ShmSend() override {
@@ -23,6 +30,9 @@ class ShmSend final : public Pending {
   }
   bool poll() override {
     shm_.progress_p2p();
+    if (!done_ && read_by_ > 0 && load_acquire(shm_.ring_tail(peer_, shm_.rank_)) >= read_by_) {
+      done_ = true; // the receiver moved past our slot: it has read our tensor
+    }
     if (!done_ && Clock::now() > next_check_) {
       next_check_ = Clock::now() + std::chrono::milliseconds(100);
       shm_.check_peer_alive(peer_, "send");
@@ -38,8 +48,10 @@ class ShmSend final : public Pending {
   int tag_;
   const char* src_;
   size_t bytes_;
+  const bool single_copy_; // the receiver reads src_ itself
   size_t sent_ = 0;
   uint64_t msg_ = 0;
+  uint64_t read_by_ = 0; // single copy: done once the receiver's tail reaches this
   bool done_ = false;
   Clock::time_point next_check_ = Clock::now() + kLivenessAfter;
 };
@@ -62,6 +74,9 @@ class ShmRecv final : public Pending {
       shm_.check_peer_alive(peer_, "recv");
     }
     if (done_ && !error_.empty()) {
+      if (peer_failed_) {
+        C10_THROW_ERROR(DistBackendError, error_);
+      }
       throw CollectiveMismatch({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, error_);
     }
     return done_;
@@ -84,8 +99,15 @@ class ShmRecv final : public Pending {
   }
   void write(uint64_t offset, const char* data, uint64_t n) {
     if (error_.empty() && n > 0) {
-      std::memcpy(dst_ + offset, data, n);
+      copy_bytes(dst_ + offset, data, n);
     }
+  }
+  // Where a single-copy message goes: our tensor, unless its size was refused.
+  char* destination() const { return error_.empty() ? dst_ : nullptr; }
+  // Reading the sender's tensor failed (it died, or freed it after an abort).
+  void fail(const std::string& why) {
+    error_ = why;
+    peer_failed_ = true;
   }
   void finish() {
     in_ = nullptr;
@@ -101,6 +123,7 @@ class ShmRecv final : public Pending {
   int source_ = -1;
   bool done_ = false;
   std::string error_;
+  bool peer_failed_ = false; // error_ is a DistBackendError, not a mismatch
   Shm::Incoming* in_ = nullptr;
   Clock::time_point next_check_ = Clock::now() + kLivenessAfter;
 };
@@ -121,21 +144,28 @@ void Shm::pump_sends(int dst) {
       if (h - load_acquire(tail) >= kSlots) {
         return; // ring full: the receiver has not caught up
       }
-      const size_t n = std::min(kSlotBytes, s->bytes_ - s->sent_);
+      // Single copy: one slot with the tensor's address, and the send is done once
+      // the receiver has moved past that slot. Else the bytes, a slot at a time.
+      const size_t n = s->single_copy_ ? 0 : std::min(kSlotBytes, s->bytes_ - s->sent_);
       SlotHeader* hdr = slot(rank_, dst, h);
       hdr->msg = s->msg_;
       hdr->tag = s->tag_;
       hdr->total = s->bytes_;
       hdr->offset = s->sent_;
       hdr->bytes = n;
-      hdr->last = s->sent_ + n == s->bytes_ ? 1 : 0;
+      hdr->addr = s->single_copy_ ? reinterpret_cast<uint64_t>(s->src_) : 0;
+      hdr->last = s->single_copy_ || s->sent_ + n == s->bytes_ ? 1 : 0;
       if (n > 0) {
-        std::memcpy(reinterpret_cast<char*>(hdr) + kLine, s->src_ + s->sent_, n);
+        copy_bytes(reinterpret_cast<char*>(hdr) + kLine, s->src_ + s->sent_, n);
       }
       s->sent_ += n;
       store_release(head, h + 1);
       if (hdr->last) {
-        s->done_ = true;
+        if (s->single_copy_) {
+          s->read_by_ = h + 1;
+        } else {
+          s->done_ = true;
+        }
         queue.pop_front();
         break;
       }
@@ -181,12 +211,14 @@ void Shm::pump_incoming(int src) {
       }
     }
     const char* data = reinterpret_cast<const char*>(hdr) + kLine;
-    if (in) {
+    if (in && hdr->addr != 0) {
+      read_message(*in, hdr->addr); // single copy: the whole message, from the sender's tensor
+    } else if (in) {
       if (in->recv) {
         in->recv->write(hdr->offset, data, hdr->bytes);
       } else if (!in->held.empty() || hdr->bytes == 0) {
         if (hdr->bytes > 0) {
-          std::memcpy(in->held.data() + hdr->offset, data, hdr->bytes);
+          copy_bytes(in->held.data() + hdr->offset, data, hdr->bytes);
         }
       }
       in->received += hdr->bytes;
@@ -207,6 +239,21 @@ void Shm::pump_incoming(int src) {
       }
     }
   }
+}
+
+void Shm::read_message(Incoming& in, uint64_t addr) {
+  char* to = in.recv ? in.recv->destination() : in.held.data();
+  if (to) {
+    try {
+      read_peer(in.source, to, addr, in.total, "recv");
+    } catch (const c10::DistBackendError& e) {
+      in.error = e.what_without_backtrace();
+      if (in.recv) {
+        in.recv->fail(in.error);
+      }
+    }
+  }
+  in.received = in.total;
 }
 
 void Shm::progress_p2p() {
@@ -235,6 +282,9 @@ std::unique_ptr<Pending> Shm::start_p2p(const Prim& p) {
     }
     recv->bind(in);
     if (in.complete) {
+      if (!in.error.empty()) {
+        recv->fail(in.error);
+      }
       recv->write(0, in.held.data(), in.held.size());
       recv->finish();
       unexpected_.erase(it);

@@ -1,6 +1,7 @@
 """The benchmark runs and its results are correct (timings are not judged here)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -16,13 +17,14 @@ def test_bench_runs_every_op_and_checks_results(tmp_path):
     png = tmp_path / "bench.png"
     proc = popen(
         [sys.executable, "-m", "oneccl_bind_pt.bench", "--nprocs", "2", "--max-bytes", "4K", "--factor", "32",
-         "--seconds", "0.01", "--rounds", "2", "--quiet", "--json", out, "--plot", png],
+         "--seconds", "0.01", "--rounds", "2", "--quiet", "--json", out, "--plot", png, "--memory-hog"],
         cwd=ROOT / "tests", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     (text,) = communicate([proc], 300)  # a hang kills the spawned ranks too
     assert proc.returncode == 0, text
     result = json.loads(out.read_text())
-    assert result["world"] == 2
+    assert result["world"] == 2 and result["memory_hog"] is True
+    assert re.search(r"memory hog: [1-9]\d* copies of 256 MiB", text), text  # it ran beside, and was stopped
     points = result["points"]
     ops = {p["op"] for p in points}
     assert ops == {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "sendrecv"}

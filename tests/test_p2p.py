@@ -1,7 +1,9 @@
 """send/recv: tags, recv from any source, and no stale message after a refusal.
 
 On one host p2p runs through shared memory, which matches messages by
-(source, tag) as gloo does and can receive from any source. Across hosts
+(source, tag) as gloo does and can receive from any source; each case runs
+there twice: streamed through the rings (`staged`) and with the receiver
+reading the sender's tensor (`single`, single copy at every size). Across hosts
 oneCCL carries it, with neither; there a recv from any source is refused and
 the group's p2p is switched off, so no later recv can take the message that
 was meant for it (ONECCL_BIND_PT_SHM=0 gives that path on one host).
@@ -16,6 +18,12 @@ import torch.distributed as dist
 from harness import run_ranks
 
 NO_SHM = {"ONECCL_BIND_PT_SHM": "0"}
+SHM_PATHS = {"staged": {"ONECCL_BIND_PT_SHM_SINGLE_COPY": "0"},
+             "single": {"ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES": "0"}}
+# ccl on both shared-memory paths, and gloo for the reference answer.
+BACKENDS = [("ccl", "staged"), ("ccl", "single"), ("gloo", None)]
+BACKEND_IDS = ["ccl-staged", "ccl-single", "gloo"]
+shm_paths = pytest.mark.parametrize("path", SHM_PATHS)
 
 
 def _tags_out_of_order(rank, world):
@@ -33,9 +41,10 @@ def _tags_out_of_order(rank, world):
     return got
 
 
-@pytest.mark.parametrize("backend", ["ccl", "gloo"])
-def test_recv_matches_by_tag(backend):
-    assert run_ranks(_tags_out_of_order, 2, backend=backend)[1] == {1: 1.0, 2: 2.0, 3: 3.0}
+@pytest.mark.parametrize(("backend", "path"), BACKENDS, ids=BACKEND_IDS)
+def test_recv_matches_by_tag(backend, path):
+    got = run_ranks(_tags_out_of_order, 2, backend=backend, env=SHM_PATHS.get(path))
+    assert got[1] == {1: 1.0, 2: 2.0, 3: 3.0}
 
 
 def _any_source(rank, world):
@@ -53,9 +62,9 @@ def _any_source(rank, world):
     return sorted(seen)
 
 
-@pytest.mark.parametrize("backend", ["ccl", "gloo"])
-def test_recv_from_any_source(backend):
-    assert run_ranks(_any_source, 3, backend=backend)[0] == [1, 2]
+@pytest.mark.parametrize(("backend", "path"), BACKENDS, ids=BACKEND_IDS)
+def test_recv_from_any_source(backend, path):
+    assert run_ranks(_any_source, 3, backend=backend, env=SHM_PATHS.get(path))[0] == [1, 2]
 
 
 def _then_batch(rank, world):
@@ -82,8 +91,9 @@ def _then_batch(rank, world):
     return outcome, after
 
 
-def test_any_source_then_batch_gets_the_right_message():
-    outcome, after = run_ranks(_then_batch, 2)[0]
+@shm_paths
+def test_any_source_then_batch_gets_the_right_message(path):
+    outcome, after = run_ranks(_then_batch, 2, env=SHM_PATHS[path])[0]
     assert outcome == ("received", [1.0, 1.0])
     assert after == [2.0, 2.0]
 
@@ -113,8 +123,9 @@ def _size_mismatch(rank, world):
     return t.tolist()
 
 
-def test_recv_of_the_wrong_size_raises_and_p2p_goes_on():
-    assert run_ranks(_size_mismatch, 2)[0] == [5.0, 5.0]
+@shm_paths
+def test_recv_of_the_wrong_size_raises_and_p2p_goes_on(path):
+    assert run_ranks(_size_mismatch, 2, env=SHM_PATHS[path])[0] == [5.0, 5.0]
 
 
 def _large_both_ways(rank, world):
@@ -128,5 +139,6 @@ def _large_both_ways(rank, world):
     return torch.equal(got, torch.arange(3_000_000, dtype=torch.float32) + peer)
 
 
-def test_large_messages_stream_both_ways():
-    assert all(run_ranks(_large_both_ways, 2))
+@shm_paths
+def test_large_messages_stream_both_ways(path):
+    assert all(run_ranks(_large_both_ways, 2, env=SHM_PATHS[path]))

@@ -63,10 +63,11 @@ def test_paths_and_the_switch(setting):
     got = run_ranks(_paths, 2, env=SINGLE_COPY[setting])[0]
     assert got["small"] == ["shm"] * 4
     assert got["off"] == "oneccl"
-    # Large collectives: staged in chunks, or read from peers' tensors (this machine lets
-    # ranks of one user read each other) where the setting says; send/recv always staged.
+    # Large messages: staged in chunks, or read from peers' tensors (this machine lets
+    # ranks of one user read each other) where the setting says.
     cma = {"default": {"allgather 1M", "reduce_scatter 1M"},
-           "from-256K": {f"{k} {s}M" for k in ("allreduce", "allgather", "reduce_scatter") for s in (1, 1024)},
+           "from-256K": {f"{k} {s}M" for k in ("allreduce", "allgather", "reduce_scatter", "send")
+                         for s in (1, 1024)},
            "off": set()}[setting]
     assert got["large"] == {name: "cma" if name in cma else "shm" for name in got["large"]}, got["large"]
     assert got["single_copy"] == ("off: ONECCL_BIND_PT_SHM_SINGLE_COPY=0" if setting == "off" else "on")
@@ -309,8 +310,13 @@ g = dist.new_group([0, 1])
 dist.all_reduce(torch.ones(8), group=g)
 print("ready", flush=True)
 big = torch.ones(1 << 20)
+got = torch.empty(1 << 20)
+peer = 1 - dist.get_rank()
 for i in range(100000):
     dist.all_reduce(big if i % 2 else torch.ones(8), group=g if i % 3 else None)
+    if i % 4 == 0:  # 4 MiB both ways: streamed, or read from the peer's tensor (single copy)
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, big, peer), dist.P2POp(dist.irecv, got, peer)]):
+            w.wait()
 """
 
 

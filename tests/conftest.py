@@ -9,7 +9,7 @@ QUICK = (
     "tests/test_shm.py::test_both_transports_in_flight_together",                # both transports
     "tests/test_matrix.py::test_case[all_reduce-SUM-float32-2-oneccl]",          # op x dtype, oneCCL
     "tests/test_vs_gloo.py::test_same_as_gloo[world2-all_gather]",                # collectives vs gloo
-    "tests/test_p2p.py::test_recv_matches_by_tag[ccl]",                         # p2p
+    "tests/test_p2p.py::test_recv_matches_by_tag[ccl-staged]",                  # p2p
     "tests/test_async.py::test_wait_timeout_raises_then_op_completes",          # async
     "tests/test_errors.py::test_group_timeout_raises_instead_of_hanging",       # errors
     "tests/test_training.py::test_ddp_matches_gloo",                            # DDP training

@@ -103,7 +103,7 @@ atexit.register(_C._shutdown)
 def _at_child_exit(_=None):
     # A multiprocessing child ends in os._exit, past atexit and libfabric's own cleanup;
     # its exit runs these finalizers. (Not _shutdown: a forked child has no progress thread.)
-    _mp_util.Finalize(None, _C._unlink_own_fabric_segments, exitpriority=-100)
+    _mp_util.Finalize(None, _C._child_exit, exitpriority=-100)
 
 
 _at_child_exit()

@@ -4,43 +4,52 @@
     python scripts/fault_matrix.py                       # 20 trials per cell, 3 ranks
     python scripts/fault_matrix.py --trials 1 --json out.json
 
-Every trial starts --world ranks (plain processes, a FileStore) that stream mixed async
-collectives (allreduce, allgather, broadcast, reduce_scatter, all-to-all; 4 B to 4 MiB, up to
-four in flight), all drawn from one seed so every rank calls the same sequence. Once every
-rank streams, after a random delay of up to half a second, one fault is injected:
+Every trial starts --world ranks (plain processes; rank 0 hosts the rendezvous TCPStore, as
+under mpirun with env://) that stream mixed async collectives (allreduce, allgather,
+broadcast, reduce_scatter, all-to-all; 4 B to 4 MiB, up to four in flight), all drawn from one
+seed so every rank calls the same sequence. Once every rank streams, after a random delay of
+up to half a second, one fault is injected:
 
 - kill:  SIGKILL of a random rank other than 0;
 - stop:  SIGSTOP of a random rank other than 0 (SIGKILLed once the others are done);
 - store: SIGKILL of rank 0, which hosts the rendezvous store and oneCCL's key-value store;
 - abort: a random rank's group is aborted from another thread of that rank
-  (torch.distributed.distributed_c10d._abort_process_group()).
+  (torch.distributed.distributed_c10d._abort_process_group());
+- link-down, drop: rank 0 runs on one host and the others on a second (two network
+  namespaces joined by a veth pair, scripts/netns.py; needs root), and the hosts are cut
+  apart: the link goes down, or every packet between them is dropped unseen. Across hosts
+  every group runs on oneCCL, so these rows have no shared-memory cell.
 
 A cell (fault x transport) is green when, in every trial, every rank that was not the
-victim raised within the group timeout (--timeout) + 2 s of the fault, then destroyed its
-group and exited 0; no rank hung (bounded by the timeout + 30 s), none died of SIGABRT or
-SIGSEGV, and no file of the trial's processes was left in /dev/shm. The columns are the
-transports of this interpreter's torch release; run it with each release's venv for the
-release columns.
+victim (under a partition: every rank) raised within the group timeout (--timeout) + 2 s of
+the fault, then destroyed its group and exited 0; no rank hung (bounded by the timeout + 30
+s), none died of SIGABRT or SIGSEGV, and no file of the trial's processes was left in
+/dev/shm. The columns are the transports of this interpreter's torch release; run it with
+each release's venv for the release columns.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
-import multiprocessing
 import os
 import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-FAULTS = ["kill", "stop", "store", "abort"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import netns  # noqa: E402
+
+FAULTS = ["kill", "stop", "store", "abort", *netns.PARTITIONS]
 TRANSPORTS = {"shm": {"ONECCL_BIND_PT_SHM": "1"}, "oneccl": {"ONECCL_BIND_PT_SHM": "0"}}
 OPS = ["allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall"]
 
@@ -64,17 +73,19 @@ def _issue(dist, torch, op, numel, world):
     return dist.all_to_all_single(torch.empty(n), t, async_op=True)
 
 
-def rank_main(rank, world, folder, env, timeout, seed):
+def rank_main(rank, world, folder, init_method, timeout, seed):
+    import faulthandler
     import threading
 
-    os.environ.update(env)
+    faulthandler.enable()  # a rank that dies of a signal says where (its log is kept when red)
+
     import torch
     import torch.distributed as dist
 
     import oneccl_bind_pt  # noqa: F401
 
     folder = Path(folder)
-    dist.init_process_group("ccl", init_method=f"file://{folder / 'store'}", rank=rank, world_size=world,
+    dist.init_process_group("ccl", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
 
     def abort_when_told():
@@ -122,47 +133,87 @@ def _stacks(pid):
     return "\n".join(line for line in out.splitlines() if line.startswith(("#", "Thread")))
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _start_ranks(fault, transport, world, timeout, seed, folder, hosts):
+    """The ranks as plain processes (a partition puts rank 0 on host 0, the others on host 1)."""
+    addr = hosts.addr[0] if hosts else "127.0.0.1"
+    init_method = f"tcp://{addr}:{_free_port()}"
+    # Across hosts nothing of this machine's launch may leak in (a MASTER_ADDR, a pinned interface).
+    env = {k: v for k, v in os.environ.items() if not (hosts and k.startswith(("CCL_", "FI_", "MASTER_", "ONECCL_")))}
+    env.update(TRANSPORTS[transport])
+    procs = []
+    for r in range(world):
+        cmd = [sys.executable, __file__, "--as-rank", json.dumps([r, world, str(folder), init_method, timeout, seed])]
+        with open(folder / f"rank-{r}.log", "wb") as log:
+            procs.append(subprocess.Popen(hosts.on(min(r, 1), cmd) if hosts else cmd, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def _no_hosts() -> str | None:
+    """Why this machine cannot make network-namespace hosts, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if not (shutil.which("ip") and shutil.which("unshare")):
+        return "network namespaces need iproute2 and unshare"
+    try:
+        with netns.hosts():
+            return None
+    except subprocess.CalledProcessError as e:
+        return f"cannot create network namespaces here: {' '.join(e.cmd)}: {e.stderr.strip()}"
+
+
+def _exited(proc, seconds):
+    try:
+        proc.wait(max(0.1, seconds))
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
 def trial(fault, transport, world, timeout, seed):
-    ctx = multiprocessing.get_context("spawn")
     rng = random.Random(seed)
-    with tempfile.TemporaryDirectory(prefix="fault-matrix-") as tmp:
+    partition = fault in netns.PARTITIONS
+    with tempfile.TemporaryDirectory(prefix="fault-matrix-") as tmp, \
+            (netns.hosts() if partition else contextlib.nullcontext()) as hosts:
         folder = Path(tmp)
-        procs = [ctx.Process(target=rank_main, args=(r, world, tmp, TRANSPORTS[transport], timeout, seed))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
+        procs = _start_ranks(fault, transport, world, timeout, seed, folder, hosts)
         start = time.monotonic()
         while not all((folder / f"streaming-{r}").exists() for r in range(world)):
-            if time.monotonic() - start > 120 or any(p.exitcode is not None for p in procs):
+            if time.monotonic() - start > 120 or any(p.poll() is not None for p in procs):
                 for p in procs:
                     p.kill()
+                    p.wait()
                 return {"ok": False, "why": "the ranks did not start streaming"}
             time.sleep(0.02)
         time.sleep(rng.uniform(0, 0.5))  # the random moment of the fault
-        victim = 0 if fault == "store" else rng.randrange(1, world)
+        victim = None if partition else 0 if fault == "store" else rng.randrange(1, world)
         fault_at = time.time()
         if fault in ("kill", "store"):
-            os.kill(procs[victim].pid, signal.SIGKILL)
+            procs[victim].send_signal(signal.SIGKILL)
         elif fault == "stop":
-            os.kill(procs[victim].pid, signal.SIGSTOP)
-        else:
+            procs[victim].send_signal(signal.SIGSTOP)
+        elif fault == "abort":
             (folder / f"abort-{victim}").touch()
+        else:
+            hosts.partition(fault)
         others = [r for r in range(world) if fault == "abort" or r != victim]
-        hung = []
-        for r in others:
-            procs[r].join(max(0.1, fault_at + timeout + 30 - time.time()))
-            if procs[r].exitcode is None:
-                hung.append(r)
+        hung = [r for r in others if not _exited(procs[r], fault_at + timeout + 30 - time.time())]
         stacks = {r: _stacks(procs[r].pid) for r in hung}
         for p in procs:
-            if p.exitcode is None:
+            if p.poll() is None:
                 p.kill()
-            p.join()
+            p.wait()
         why = [f"ranks {hung} hung"] if hung else []
         results = {r: json.loads((folder / f"result-{r}.json").read_text())
                    for r in others if (folder / f"result-{r}.json").exists()}
         for r in others:
-            code = procs[r].exitcode
+            code = procs[r].returncode
             if code != 0 and r not in hung:
                 why.append(f"rank {r} exited {signal.Signals(-code).name if code < 0 else code}")
             if r not in results:
@@ -171,13 +222,16 @@ def trial(fault, transport, world, timeout, seed):
                 why.append(f"rank {r} never raised")
             elif results[r]["raised_at"] - fault_at > timeout + 2:
                 why.append(f"rank {r} raised {results[r]['raised_at'] - fault_at:.1f} s after the fault")
-        left = _dev_shm_of(p.pid for p in procs)
+        left = _dev_shm_of([p.pid for p in procs] + [r["pid"] for r in results.values()])
         if left:
             why.append(f"left in /dev/shm: {left}")
         for name in left:
             os.unlink(f"/dev/shm/{name}")
         errors = sorted({r["error"].split(" (rank")[0] for r in results.values() if r["error"]})
-        return {"ok": not why, "why": "; ".join(why), "victim": victim, "errors": errors, "hung_stacks": stacks}
+        # A red trial keeps what its ranks printed (the end of it): the cause is often there.
+        logs = {r: (folder / f"rank-{r}.log").read_text(errors="replace")[-3000:] for r in others} if why else {}
+        return {"ok": not why, "why": "; ".join(why), "victim": victim, "errors": errors, "hung_stacks": stacks,
+                "logs": logs}
 
 
 def main(argv=None):
@@ -189,21 +243,31 @@ def main(argv=None):
     p.add_argument("--transports", default=",".join(TRANSPORTS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every trial's result here")
+    p.add_argument("--as-rank", help=argparse.SUPPRESS)  # how a trial starts each rank
     args = p.parse_args(argv)
+    if args.as_rank:
+        rank_main(*json.loads(args.as_rank))
+        return 0
     import torch
 
     faults, transports = args.faults.split(","), args.transports.split(",")
+    if set(faults) & set(netns.PARTITIONS) and (why := _no_hosts()):
+        print(f"the partition rows are left out: {why}", flush=True)
+        faults = [f for f in faults if f not in netns.PARTITIONS]
     cells = {}
     for fault in faults:
         for transport in transports:
+            if fault in netns.PARTITIONS and transport == "shm":
+                continue  # shared memory never spans hosts
             runs = [trial(fault, transport, args.world, args.timeout, args.seed + 1000 * i) for i in range(args.trials)]
             cells[f"{fault} {transport}"] = runs
             bad = [r for r in runs if not r["ok"]]
-            print(f"{fault:6} {transport:7} {len(runs) - len(bad)}/{len(runs)} green"
+            print(f"{fault:9} {transport:6} {len(runs) - len(bad)}/{len(runs)} green"
                   + (f"; first red: {bad[0]['why']}" if bad else ""), flush=True)
     title = f"torch {torch.__version__}, {args.world} ranks, group timeout {args.timeout:g} s, {args.trials} trial(s) per cell"
     header = ["fault", *transports]
-    rows = [[f, *(f"{sum(r['ok'] for r in cells[f'{f} {t}'])}/{args.trials}" for t in transports)] for f in faults]
+    rows = [[f, *(f"{sum(r['ok'] for r in cells[f'{f} {t}'])}/{args.trials}" if f"{f} {t}" in cells else "-"
+                  for t in transports)] for f in faults]
     from oneccl_bind_pt.bench import print_table
 
     print_table(title, header, rows)

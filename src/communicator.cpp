@@ -18,11 +18,6 @@ namespace oneccl_bind_pt {
 
 namespace {
 
-// What a rank announces at rendezvous: where its process runs.
-std::string whoami() {
-  return host_identity() + "/" + std::to_string(getpid());
-}
-
 // libfabric's shared-memory provider (how oneCCL reaches ranks on the same
 // host) names its segments /dev/shm/<pid>:<n>:<n> and unlinks them when its
 // endpoints close: a process killed, or one whose communicator is left
@@ -44,7 +39,20 @@ void unlink_fabric_segments(int pid) {
 }
 
 constexpr const char* kAbandonedKey = "oneccl_bind_pt/abandoned_op";
-constexpr std::chrono::milliseconds kAbortStoreWait{5000};
+constexpr std::chrono::milliseconds kStoreWait{5000};
+constexpr std::chrono::milliseconds kHookWait{1000};
+
+// Abort hooks still running (process-wide): see run_abort_hooks().
+struct HooksInFlight {
+  std::mutex mutex;
+  std::condition_variable cv;
+  int running = 0;
+};
+
+HooksInFlight& hooks_in_flight() {
+  static auto* hooks = new HooksInFlight(); // leaked: hook threads may outlive static destructors
+  return *hooks;
+}
 
 // Whether rank 0's oneCCL key-value store still answers. Its server lives in
 // rank 0's process; when that process is gone, a client's request fails here
@@ -72,7 +80,9 @@ Communicator::Communicator(
       size > 0 && rank >= 0 && rank < size, "ccl: invalid rank ", rank,
       " for a process group of size ", size);
   ensure_ccl_initialized();
-  kvs_ = rendezvous(store, rank, size, timeout, whoami());
+  auto met = rendezvous(store, rank, size, timeout, host_identity());
+  kvs_ = std::move(met.kvs);
+  host_peers_ = std::move(met.host_peers);
   try {
     comm_.emplace(ccl::create_communicator(size, rank, kvs_));
   } catch (const ccl::exception& e) {
@@ -89,35 +99,55 @@ void unlink_own_fabric_segments() {
   unlink_fabric_segments(getpid());
 }
 
-bool Communicator::peer_abandoned_an_op() const {
-  try {
-    return store_->check({kAbandonedKey});
-  } catch (...) {
-    return false; // a store that does not answer: kvs_answers() decides
+template <class Fn>
+std::optional<std::invoke_result_t<Fn>> Communicator::bounded(Fn fn) const {
+  using T = std::invoke_result_t<Fn>;
+  if (stores_silent_.load(std::memory_order_acquire)) {
+    return std::nullopt;
   }
+  // (A mutex and condition variable, not std::future: its timed wait needs a
+  // libstdc++ newer than manylinux_2_28's.)
+  struct Call {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+    std::optional<T> value;
+  };
+  auto call = std::make_shared<Call>();
+  std::thread([call, fn = std::move(fn)]() mutable {
+    std::optional<T> value;
+    try {
+      value = fn();
+    } catch (...) {
+    }
+    std::lock_guard<std::mutex> lock(call->mutex);
+    call->value = std::move(value);
+    call->done = true;
+    call->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(call->mutex);
+  const auto limit = std::min<std::chrono::milliseconds>(timeout_, kStoreWait);
+  if (!call->cv.wait_for(lock, limit, [&] { return call->done; })) {
+    stores_silent_.store(true, std::memory_order_release);
+    return std::nullopt;
+  }
+  return std::move(call->value);
+}
+
+bool Communicator::peer_abandoned_an_op() const {
+  // A store that does not answer: kvs_answers() decides.
+  return bounded([store = store_] { return store->check({kAbandonedKey}); }).value_or(false);
 }
 
 void Communicator::unlink_segments_of_dead_peers() {
   if (!broken() || swept_.exchange(true)) {
     return;
   }
-  const std::string host = host_identity() + "/";
-  for (int r = 0; r < size_; ++r) {
-    if (r == rank_) {
-      continue;
-    }
-    try {
-      const std::string peer = announced(*store_, r);
-      if (peer.rfind(host, 0) == 0) {
-        const int pid = std::stoi(peer.substr(host.size()));
-        const char state = process_state(pid);
-        // A stopped peer that made the group fail counts as gone, as it does for shrink().
-        if (state == 'X' || state == 'Z' || state == 'T' || state == 't') {
-          unlink_fabric_segments(pid);
-        }
-      }
-    } catch (...) {
-      return; // the store went with rank 0: nothing to learn the peers from
+  for (const int pid : host_peers_) {
+    const char state = process_state(pid);
+    // A stopped peer that made the group fail counts as gone, as it does for shrink().
+    if (state == 'X' || state == 'Z' || state == 'T' || state == 't') {
+      unlink_fabric_segments(pid);
     }
   }
 }
@@ -132,8 +162,10 @@ Communicator::~Communicator() {
   // ever join: freeing the communicator under it is not safe, and a peer that
   // freed its own would reuse the communicator's id, whose messages that op
   // then takes (measured: the next group's creation hung on both ranks).
-  if (aborted() || (shm_ && shm_->any_peer_gone()) || peer_abandoned_an_op() ||
-      (rank_ != 0 && !kvs_answers(*kvs_, rank_))) {
+  const auto kvs_silent = [&] {
+    return !bounded([kvs = kvs_, rank = rank_] { return kvs_answers(*kvs, rank); }).value_or(false);
+  };
+  if (aborted() || (shm_ && shm_->any_peer_gone()) || peer_abandoned_an_op() || (rank_ != 0 && kvs_silent())) {
     static auto* graveyard = new std::vector<std::pair<ccl::communicator, std::shared_ptr<ccl::kvs>>>();
     graveyard->emplace_back(std::move(*comm_), kvs_);
   }
@@ -163,28 +195,12 @@ void Communicator::abort(bool ops_in_flight) {
   // The key must be in the store before abort() returns: a caller that then
   // tells its peers (measured: a test's announcement) lets them destroy their
   // groups, and a peer that checks before the key lands frees its communicator
-  // (both ranks then hung creating the next group). The set runs off the
-  // caller's thread so that a store whose host is stopped holds abort() for
-  // at most a few seconds, not the store's own timeout.
-  // (A mutex and condition variable, not std::future: its timed wait needs a
-  // libstdc++ newer than manylinux_2_28's.)
-  struct Landed {
-    std::mutex mutex;
-    std::condition_variable cv;
-    bool done = false;
-  };
-  auto landed = std::make_shared<Landed>();
-  std::thread([store = store_, landed] {
-    try {
-      store->set(kAbandonedKey, std::vector<uint8_t>{1});
-    } catch (...) {
-    }
-    std::lock_guard<std::mutex> lock(landed->mutex);
-    landed->done = true;
-    landed->cv.notify_all();
-  }).detach();
-  std::unique_lock<std::mutex> lock(landed->mutex);
-  landed->cv.wait_for(lock, std::min<std::chrono::milliseconds>(timeout_, kAbortStoreWait), [&] { return landed->done; });
+  // (both ranks then hung creating the next group). Bounded: a store whose
+  // host is stopped or cut off holds abort() for at most a few seconds.
+  bounded([store = store_] {
+    store->set(kAbandonedKey, std::vector<uint8_t>{1});
+    return true;
+  });
 }
 
 void Communicator::add_completion_hook(int64_t id, std::function<void(uint64_t)> hook) {
@@ -226,13 +242,55 @@ void Communicator::run_abort_hooks() {
     std::lock_guard<std::mutex> lock(hooks_mutex_);
     hooks = abort_hooks_;
   }
-  for (const auto& entry : hooks) {
-    try {
-      entry.second();
-    } catch (const std::exception& e) {
-      TORCH_WARN("ccl: abort hook ", entry.first, " raised (ignored; the group's error follows): ", e.what());
-    }
+  if (hooks.empty()) {
+    return;
   }
+  // On a thread of their own, waited for at most kHookWait: torch 2.15 gives
+  // every ccl group a FlightRecorderHook whose abort hook dumps the trace
+  // (measured: 5 s on a quiet machine, 9 s beside other jobs), and the op's
+  // error must still reach its waiter within the group's timeout. A slower
+  // hook finishes beside the waiter; the process waits for it at exit.
+  struct Run {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto run = std::make_shared<Run>();
+  auto& all = hooks_in_flight();
+  {
+    std::lock_guard<std::mutex> lock(all.mutex);
+    ++all.running;
+  }
+  std::thread([hooks = std::move(hooks), run] {
+    for (const auto& entry : hooks) {
+      try {
+        entry.second();
+      } catch (const std::exception& e) {
+        TORCH_WARN("ccl: abort hook ", entry.first, " raised (ignored; the group's error follows): ", e.what());
+      } catch (...) {
+        TORCH_WARN("ccl: abort hook ", entry.first, " raised (ignored; the group's error follows)");
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(run->mutex);
+      run->done = true;
+    }
+    run->cv.notify_all();
+    auto& all = hooks_in_flight();
+    {
+      std::lock_guard<std::mutex> lock(all.mutex);
+      --all.running;
+    }
+    all.cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(run->mutex);
+  run->cv.wait_for(lock, kHookWait, [&] { return run->done; });
+}
+
+void wait_for_abort_hooks(std::chrono::milliseconds limit) {
+  auto& all = hooks_in_flight();
+  std::unique_lock<std::mutex> lock(all.mutex);
+  all.cv.wait_for(lock, limit, [&] { return all.running == 0; });
 }
 
 std::string Communicator::broken_reason() const {

@@ -18,6 +18,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 namespace oneccl_bind_pt {
 
@@ -29,6 +31,11 @@ class Shm;
 // an exit through os._exit (multiprocessing's children) skips libfabric's own
 // cleanup.
 void unlink_own_fabric_segments();
+
+// At process exit: waits (at most `limit`) for abort hooks still running on
+// their own threads (Communicator::run_abort_hooks), so that a trace a hook
+// is writing is not cut off.
+void wait_for_abort_hooks(std::chrono::milliseconds limit);
 
 class Communicator {
  public:
@@ -56,8 +63,9 @@ class Communicator {
 
   // Abort hooks (torch 2.14 on: Backend::registerAbortHook): called once,
   // in the order of their ids, when an op's timeout or failure breaks the
-  // group, before that op completes with its error. Not on abort(), which
-  // the caller asked for. A hook that throws is reported as a warning.
+  // group, before that op completes with its error (waited for at most 1 s;
+  // a slower hook finishes on its own thread). Not on abort(), which the
+  // caller asked for. A hook that throws is reported as a warning.
   void add_abort_hook(int64_t id, std::function<void()> hook);
   void remove_abort_hook(int64_t id);
   void run_abort_hooks();
@@ -87,17 +95,29 @@ class Communicator {
  private:
   bool peer_abandoned_an_op() const;
 
+  // Runs fn (a call to the group's store or to oneCCL's key-value store) on a
+  // thread of its own and waits for it at most min(timeout, 5 s); nullopt if
+  // it threw or did not answer in time. A store whose host is cut off can hold
+  // a call in recv() for good (torch's TCPStore client after one of its waits
+  // timed out; oneCCL's key-value store client always), and teardown must not
+  // wait on it. After one call is given up on, later ones are not tried: the
+  // blocked thread may hold the store's lock.
+  template <class Fn>
+  std::optional<std::invoke_result_t<Fn>> bounded(Fn fn) const;
+
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
   int size_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<ccl::kvs> kvs_;
+  std::vector<int> host_peers_; // pids of the group's other ranks on this host
   std::optional<ccl::communicator> comm_;
   std::unique_ptr<CclTransport> ccl_; // after comm_, which it refers to
   std::unique_ptr<Shm> shm_;          // after ccl_, which it hands large steps to
   std::atomic<bool> broken_{false};
   std::atomic<bool> aborted_{false};
   std::atomic<bool> swept_{false};
+  mutable std::atomic<bool> stores_silent_{false};
   std::atomic<bool> has_hooks_{false};
   mutable std::mutex hooks_mutex_;
   std::map<int64_t, std::function<void(uint64_t)>> hooks_;

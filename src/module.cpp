@@ -12,6 +12,10 @@ namespace py = pybind11;
 
 namespace {
 
+// How long a process's exit waits for abort hooks still running (a trace
+// being written: torch 2.15's FlightRecorderHook took up to 9 s here).
+constexpr std::chrono::milliseconds kExitHookWait{15000};
+
 // oneccl_bind_pt.errors' classes, set once by the package's __init__.
 PyObject* g_argument_error = nullptr;
 PyObject* g_argument_type_error = nullptr;
@@ -80,16 +84,22 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_shutdown",
       [] {
+        oneccl_bind_pt::wait_for_abort_hooks(kExitHookWait);
         oneccl_bind_pt::Progress::get().shutdown();
         oneccl_bind_pt::unlink_own_fabric_segments();
       },
       py::call_guard<py::gil_scoped_release>(),
-      "Stops the background progress thread and unlinks libfabric's segments of this process "
-      "(called at interpreter exit).");
+      "Waits for abort hooks still running (at most 15 s), stops the background progress thread "
+      "and unlinks libfabric's segments of this process (called at interpreter exit).");
   m.def(
-      "_unlink_own_fabric_segments",
-      &oneccl_bind_pt::unlink_own_fabric_segments,
-      "Unlinks libfabric's /dev/shm segments of this process (at a multiprocessing child's exit).");
+      "_child_exit",
+      [] {
+        oneccl_bind_pt::wait_for_abort_hooks(kExitHookWait);
+        oneccl_bind_pt::unlink_own_fabric_segments();
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "Waits for abort hooks still running (at most 15 s) and unlinks libfabric's /dev/shm "
+      "segments of this process (at a multiprocessing child's exit).");
   m.def(
       "_time_raw_oneccl",
       &oneccl_bind_pt::time_raw_oneccl,

@@ -9,8 +9,11 @@
 #include "tensor_bytes.hpp"
 
 #include <ATen/ATen.h>
+#include <Python.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <algorithm>
 
 namespace oneccl_bind_pt {
 
@@ -44,6 +47,14 @@ void ProcessGroupCCL::shutdown() {
   }
   comm_->unlink_segments_of_dead_peers(); // before the mark: only a group broken by a failure
   comm_->mark_broken("shutdown() was called on it");
+  // An abort hook still running on its own thread (torch 2.15's
+  // FlightRecorderHook writing its trace) must not have the group torn down
+  // under it. It may need the GIL, which our caller may hold.
+  PyThreadState* saved = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
+  wait_for_abort_hooks(std::chrono::seconds(15));
+  if (saved) {
+    PyEval_RestoreThread(saved);
+  }
 }
 
 c10::intrusive_ptr<c10d::Backend> ProcessGroupCCL::shrink(
@@ -83,6 +94,22 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupCCL::shrink(
       "oneccl_bind_pt/shrink/" + std::to_string(shrinks_++) + "/without/" + names, store_);
   return c10::make_intrusive<ProcessGroupCCL>(
       store, new_rank, new_size, opts_override ? opts_override->timeout : timeout_);
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupCCL::split(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const std::vector<int>& ranks,
+    const c10::intrusive_ptr<Options>& opts) {
+  for (const int r : ranks) {
+    CCL_CHECK_ARG(r >= 0 && r < size_, "ccl split: rank ", r, " is not a rank of the group being split (size ",
+                  size_, ")");
+  }
+  const auto me = std::find(ranks.begin(), ranks.end(), rank_);
+  if (me == ranks.end()) {
+    return nullptr;
+  }
+  return c10::make_intrusive<ProcessGroupCCL>(
+      store, static_cast<int>(me - ranks.begin()), static_cast<int>(ranks.size()), opts ? opts->timeout : timeout_);
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupCCL::getBackendOptions() {
@@ -130,6 +157,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::run(Call&& call) {
     finished = work->poll_locked(Clock::now());
     if (!finished) {
       progress.track(work);
+    } else if (work->expired_) {
+      progress.abandon(work); // failed at once (a peer already gone): oneCCL may still hold it
     }
   }
   if (finished) {

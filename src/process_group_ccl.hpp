@@ -60,6 +60,14 @@ class ProcessGroupCCL : public c10d::Backend {
       const std::vector<int64_t>& ranks_to_exclude,
       int shrink_flags = 0,
       const c10::intrusive_ptr<Options>& opts_override = nullptr) override;
+  // split(): torch's ProcessGroup::splitGroup (torch.distributed.split_group)
+  // hands each rank the ranks of its new group, in new-rank order, and a
+  // store namespaced for that group; a rank outside them gets no backend.
+  bool supportsSplitting() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> split(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      const std::vector<int>& ranks,
+      const c10::intrusive_ptr<Options>& opts) override;
   uint64_t getSequenceNumberForGroup() override { return seq_.load(std::memory_order_relaxed); }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 namespace oneccl_bind_pt {
 
 namespace {
@@ -40,12 +42,12 @@ std::string missing_ranks(c10d::Store& store, int size) {
 
 } // namespace
 
-std::shared_ptr<ccl::kvs> rendezvous(
+Rendezvous rendezvous(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
     std::chrono::milliseconds timeout,
-    const std::string& whoami) {
+    const std::string& host) {
   const auto seconds = std::to_string(timeout.count() / 1000.0);
   std::shared_ptr<ccl::kvs> kvs;
   try {
@@ -59,8 +61,14 @@ std::shared_ptr<ccl::kvs> rendezvous(
          " (CCL_KVS_IFACE / CCL_KVS_IP_EXCHANGE choose its network interface)");
   }
 
-  // Everybody announces itself, so a timeout can say who never came.
+  // Everybody announces itself, so a timeout can say who never came, and
+  // takes a numbered slot among the ranks on its host.
+  const std::string pid = std::to_string(getpid());
+  const std::string whoami = host + "/" + pid;
   store->set(arrived_key(rank), std::vector<uint8_t>(whoami.begin(), whoami.end()));
+  const std::string host_key = "oneccl/host/" + host;
+  const int64_t slot = store->add(host_key, 1);
+  store->set(host_key + "/" + std::to_string(slot), std::vector<uint8_t>(pid.begin(), pid.end()));
   if (store->add(kArrivedCounter, 1) == size) {
     store->set(kAllArrivedKey, std::vector<uint8_t>{1});
   }
@@ -72,6 +80,15 @@ std::shared_ptr<ccl::kvs> rendezvous(
          "); missing ranks: " + missing_ranks(*store, size) +
          ". Every rank must create the group (init_process_group / new_group) "
          "and none may have exited.");
+  }
+
+  std::vector<int> host_peers;
+  const int64_t on_host = store->add(host_key, 0);
+  for (int64_t i = 1; i <= on_host; ++i) {
+    if (i != slot) {
+      const auto bytes = store->get(host_key + "/" + std::to_string(i));
+      host_peers.push_back(std::stoi(std::string(bytes.begin(), bytes.end())));
+    }
   }
 
   if (rank != 0) {
@@ -89,12 +106,7 @@ std::shared_ptr<ccl::kvs> rendezvous(
            " could not reach rank 0's oneCCL key-value store: " + e.what());
     }
   }
-  return kvs;
-}
-
-std::string announced(c10d::Store& store, int rank) {
-  const auto bytes = store.get(arrived_key(rank));
-  return std::string(bytes.begin(), bytes.end());
+  return {std::move(kvs), std::move(host_peers)};
 }
 
 std::vector<std::string> exchange(

@@ -15,18 +15,21 @@
 
 namespace oneccl_bind_pt {
 
-// Returns this rank's handle on the group's KVS once every rank of the group
-// has arrived; throws DistBackendError naming the missing ranks on timeout.
-// `whoami` is what this rank announces itself as (announced() reads it back).
-std::shared_ptr<ccl::kvs> rendezvous(
+struct Rendezvous {
+  std::shared_ptr<ccl::kvs> kvs; // this rank's handle on the group's oneCCL KVS
+  // The pids of the group's other ranks on this host (`host`): read now, for
+  // cleaning up after them if they die, since the store may die with rank 0.
+  std::vector<int> host_peers;
+};
+
+// Returns once every rank of the group has arrived; throws DistBackendError
+// naming the missing ranks on timeout. `host` names this rank's host.
+Rendezvous rendezvous(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
     std::chrono::milliseconds timeout,
-    const std::string& whoami);
-
-// What rank `rank` announced at rendezvous; throws if the store does not answer.
-std::string announced(c10d::Store& store, int rank);
+    const std::string& host);
 
 // Every rank contributes `mine` under `key`; returns all ranks' values, by
 // rank. Throws DistBackendError naming the missing ranks on timeout.

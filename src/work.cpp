@@ -299,6 +299,10 @@ void Progress::track(c10::intrusive_ptr<WorkCCL> work) {
   inflight_.push_back(std::move(work));
 }
 
+void Progress::abandon(c10::intrusive_ptr<WorkCCL> work) {
+  abandoned_.push_back(std::move(work));
+}
+
 void Progress::sweep() {
   std::vector<c10::intrusive_ptr<WorkCCL>> finished;
   {
@@ -310,7 +314,7 @@ void Progress::sweep() {
     for (size_t i = 0; i < inflight_.size();) {
       if (inflight_[i]->poll_locked(now)) {
         if (inflight_[i]->expired_) {
-          abandoned_.push_back(inflight_[i]);
+          abandon(inflight_[i]);
         }
         finished.push_back(std::move(inflight_[i]));
         inflight_.erase(inflight_.begin() + static_cast<std::ptrdiff_t>(i));

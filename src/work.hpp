@@ -135,6 +135,12 @@ class Progress {
   std::mutex& ccl_mutex() { return mutex_; }
   // Caller holds ccl_mutex().
   void track(c10::intrusive_ptr<WorkCCL> work);
+  // Caller holds ccl_mutex(). A Work that expired (failed, timed out or was
+  // aborted) while oneCCL may still use its op: kept for good, with its
+  // buffers and its oneCCL events. oneCCL's event destructor waits for its
+  // op, which after a peer's death never ends: measured, freeing one spun
+  // for good or died of SIGABRT inside that wait.
+  void abandon(c10::intrusive_ptr<WorkCCL> work);
   // One pass over every in-flight Work; completes the ones that finished.
   void sweep();
   // Progresses until no Work of `comm` is in flight (true), or until

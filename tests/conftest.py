@@ -86,13 +86,30 @@ def pytest_xdist_make_scheduler(config, log):
     return ByUnit(config, log)
 
 
+def _whole_suite(config):
+    return all(os.path.basename(os.path.normpath(a)) == "tests" for a in config.args)
+
+
+def _stale_quick(items_or_ids):
+    return sorted(set(QUICK) - {getattr(i, "nodeid", i) for i in items_or_ids})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    # What a worker collected, after -k/-m chose: only a run of everything can tell a stale id.
+    config = node.config
+    chosen = config.option.keyword or config.option.markexpr or config.option.deselect
+    if _whole_suite(config) and not chosen and (stale := _stale_quick(ids)):
+        pytest.exit(f"conftest.py QUICK names tests that do not exist: {stale}", returncode=pytest.ExitCode.USAGE_ERROR)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the marks added here
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_start_order(items))  # stable: within a rank, the collection's order
-    if all(os.path.basename(os.path.normpath(a)) == "tests" for a in config.args):  # the whole suite
-        stale = set(QUICK) - {item.nodeid for item in items}
-        if stale:
-            raise pytest.UsageError(f"conftest.py QUICK names tests that do not exist: {sorted(stale)}")
+    # Under xdist the workers collect, and a UsageError raised in one shows only as an
+    # INTERNALERROR: there the controller checks (below), here a run without xdist does.
+    if _whole_suite(config) and not hasattr(config, "workerinput") and (stale := _stale_quick(items)):
+        raise pytest.UsageError(f"conftest.py QUICK names tests that do not exist: {stale}")
     for item in items:
         if item.nodeid in QUICK:
             item.add_marker(pytest.mark.quick)

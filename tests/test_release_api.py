@@ -115,3 +115,29 @@ def test_abort_hooks_run_once_before_a_timeout_is_raised(transport):
     assert seen == ["hook 1", "failing hook", "wait raised: timed out"], seen
     assert peer_seen == [], peer_seen  # its group never failed while it ran
     assert supports is (True if _at_least(2, 15) else None), supports
+
+
+def _split(rank, world):
+    before = dist.group.WORLD._get_backend(torch.device("cpu")).supports_splitting
+    # A rank's place in its list is its rank in the new group (torch maps it so); a list out
+    # of order tells that apart from sorting.
+    group = dist.split_group(split_ranks=[[2, 0], [1]])
+    t = torch.arange(4, dtype=torch.float32) + 10 * rank
+    dist.all_reduce(t, group=group)
+    gathered = [torch.empty(2) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, torch.full((2,), float(rank)), group=group)
+    first = torch.full((3,), float(rank))
+    dist.broadcast(first, group_src=0, group=group)
+    dist.barrier()  # the parent group still works beside its child
+    return (before, dist.get_rank(group), dist.get_world_size(group), t.tolist(), [g.tolist() for g in gathered],
+            first.tolist())
+
+
+@needs_2_15  # split_group needs a device before 2.15, for every backend (gloo too)
+@pytest.mark.parametrize("transport", ["1", "0"], ids=["shm", "oneccl"])
+def test_split_group_gives_what_gloo_gives(transport):
+    ccl = run_ranks(_split, 3, env={"ONECCL_BIND_PT_SHM": transport})
+    gloo = run_ranks(_split, 3, backend="gloo")
+    assert [r[0] for r in ccl] == [True] * 3, ccl
+    assert [r[1:] for r in ccl] == [r[1:] for r in gloo], (ccl, gloo)
+    assert [r[1] for r in ccl] == [1, 0, 0], ccl  # rank 2 leads [2, 0]

@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import uuid
 
 import pytest
 import torch
@@ -16,6 +15,9 @@ import torch.distributed as dist
 
 from harness import apt_install, communicate, popen, require, run_ranks
 from test_launchers import BIN, ROOT, free_port, run
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import netns  # noqa: E402
 
 
 def _usage():
@@ -244,36 +246,16 @@ def test_soak_every_size_new_with_buffer_cache_off():
 
 @pytest.fixture
 def two_hosts():
-    """Two network namespaces joined by a veth pair: one 'host' per rank."""
+    """Two network namespaces joined by a veth pair: one 'host' per rank (scripts/netns.py)."""
     require(os.geteuid() == 0, "network namespaces need root")
     why = apt_install(("iproute2",), ("ip",))
     require(not why, why)
     require(shutil.which("unshare"), "network namespaces need unshare (util-linux)")
-    tag = uuid.uuid4().hex[:6]
-    ns = [f"obp{tag}a", f"obp{tag}b"]
-    dev = [f"obp{tag}0", f"obp{tag}1"]
-    addr = ["10.213.77.1", "10.213.77.2"]
-    setup = [
-        ["ip", "netns", "add", ns[0]], ["ip", "netns", "add", ns[1]],
-        ["ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1]],
-    ]
-    for k in (0, 1):
-        setup += [
-            ["ip", "link", "set", dev[k], "netns", ns[k]],
-            ["ip", "-n", ns[k], "addr", "add", f"{addr[k]}/24", "dev", dev[k]],
-            ["ip", "-n", ns[k], "link", "set", dev[k], "up"],
-            ["ip", "-n", ns[k], "link", "set", "lo", "up"],
-        ]
     try:
-        for cmd in setup:
-            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60)
+        with netns.hosts() as hosts:
+            yield hosts
     except subprocess.CalledProcessError as e:
-        for n in ns:
-            subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=60)
         require(False, f"cannot create network namespaces here: {' '.join(e.cmd)}: {e.stderr.strip()}")
-    yield ns, dev, addr
-    for n in ns:
-        subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=60)
 
 
 def _tx_bytes(ns, dev):
@@ -282,17 +264,14 @@ def _tx_bytes(ns, dev):
     return int(out.split("TX:")[1].split("\n")[1].split()[0])
 
 
-def _torchrun_on_hosts(ns, addr, port, nproc, script, timeout):
+def _torchrun_on_hosts(hosts, port, nproc, script, timeout):
     """One torchrun agent per network namespace; returns each host's output (all must exit 0)."""
-    # Each host gets its own host name too (a UTS namespace): oneCCL treats peers with
-    # the same host name as local and would use shared memory between them.
+    addr = hosts.addr
     procs = [
         popen(
-            ["ip", "netns", "exec", ns[k], "unshare", "--uts", "sh", "-c",
-             f'hostname {ns[k]} && exec "$@"', "sh",
-             BIN / "torchrun", "--nnodes", "2", "--nproc_per_node", str(nproc),
-             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{addr[0]}:{port}", "--rdzv_id", "hosts",
-             "--rdzv_conf", f"is_host={k == 0}", "--local_addr", addr[k], script],
+            hosts.on(k, [BIN / "torchrun", "--nnodes", "2", "--nproc_per_node", str(nproc),
+                         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{addr[0]}:{port}", "--rdzv_id", "hosts",
+                         "--rdzv_conf", f"is_host={k == 0}", "--local_addr", addr[k], script]),
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={k2: v for k2, v in os.environ.items() if not k2.startswith(("CCL_", "FI_", "MASTER_", "ONECCL_"))},
         )
@@ -305,10 +284,10 @@ def _torchrun_on_hosts(ns, addr, port, nproc, script, timeout):
 
 
 def test_two_hosts_over_veth_match_one_host(two_hosts):
-    ns, dev, addr = two_hosts
+    ns, dev = two_hosts.ns, two_hosts.dev
     port = free_port()
     sent_before = _tx_bytes(ns[0], dev[0])
-    outs = _torchrun_on_hosts(ns, addr, port, 1, "tests/scripts/two_hosts.py", timeout=180)
+    outs = _torchrun_on_hosts(two_hosts, port, 1, "tests/scripts/two_hosts.py", timeout=180)
     two = dict(re.findall(r"rank (\d) allreduce_ok=True grad_checksum=(-?\d+\.\d{10})", "".join(outs)))
     assert sorted(two) == ["0", "1"], outs
     # The allreduce (256 KiB per rank) really crossed the veth link, over TCP.
@@ -320,10 +299,10 @@ def test_two_hosts_over_veth_match_one_host(two_hosts):
 
 
 def test_subgroup_on_one_host_takes_shared_memory_inside_a_two_host_world(two_hosts):
-    ns, dev, addr = two_hosts
+    ns, dev = two_hosts.ns, two_hosts.dev
     port = free_port()
     sent_before = _tx_bytes(ns[0], dev[0])
-    outs = _torchrun_on_hosts(ns, addr, port, 2, "tests/scripts/host_subgroups.py", timeout=240)
+    outs = _torchrun_on_hosts(two_hosts, port, 2, "tests/scripts/host_subgroups.py", timeout=240)
     # Ranks share a pipe, so a line may run into the next rank's: match each value exactly
     # (\S+ here once swallowed "n/arank 1 ...", losing rank 1's line).
     lines = re.findall(r"rank (\d) world_path=(\w+) local_path=(\w+) ok=(True|False) any_source_refused=(yes|no|n/a|other)",

@@ -45,6 +45,14 @@ CCL_KVS_IFACE              ``lo`` when every rank is   oneCCL's bootstrap listen
 FI_TCP_IFACE               the same NIC, across hosts  the same one.
 CCL_LOG_LEVEL              ``error``                   oneCCL warns about every variable
                                                        above at startup; errors still show.
+TORCH_INCLUDE_STACK_TRACE  ``0``                       torch 2.15 dumps its flight recorder
+                                                       when a ccl op fails. Symbolizing
+                                                       every entry's stack took over 15 s
+                                                       on a loaded machine; torch then
+                                                       abandons the dump's thread, which
+                                                       crashed the exiting process (SIGSEGV
+                                                       in torch::symbolize). The dump keeps
+                                                       every collective; 1 adds the stacks.
 =========================  ==========================  =====================================
 
 If CCL_WORKER_COUNT or CCL_WORKER_AFFINITY is set, we leave CCL_WORKER_OFFLOAD
@@ -149,3 +157,4 @@ def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str
             _set_default(env, "CCL_KVS_IFACE", interface)
             _set_default(env, "FI_TCP_IFACE", interface)
     _set_default(env, "CCL_LOG_LEVEL", "error")
+    _set_default(env, "TORCH_INCLUDE_STACK_TRACE", "0")

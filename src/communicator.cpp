@@ -19,9 +19,9 @@ namespace oneccl_bind_pt {
 namespace {
 
 // libfabric's shared-memory provider (how oneCCL reaches ranks on the same
-// host) names its segments /dev/shm/<pid>:<n>:<n> and unlinks them when its
-// endpoints close: a process killed, or one whose communicator is left
-// unfreed, leaves them behind.
+// host) names its segments /dev/shm/<pid>:<n>:<n> (and <pid>:<n>:<n>:<n>)
+// and unlinks them when its endpoints close: a process killed, or one whose
+// communicator is left unfreed, leaves them behind.
 void unlink_fabric_segments(int pid) {
   DIR* dir = opendir("/dev/shm");
   if (!dir) {
@@ -30,7 +30,8 @@ void unlink_fabric_segments(int pid) {
   const std::string prefix = std::to_string(pid) + ":";
   while (const dirent* entry = readdir(dir)) {
     const std::string name = entry->d_name;
-    if (name.rfind(prefix, 0) == 0 && std::count(name.begin(), name.end(), ':') == 2 &&
+    const auto colons = std::count(name.begin(), name.end(), ':');
+    if (name.rfind(prefix, 0) == 0 && (colons == 2 || colons == 3) &&
         name.find_first_not_of("0123456789:") == std::string::npos) {
       unlink(("/dev/shm/" + name).c_str()); // another user's: refused, left alone
     }

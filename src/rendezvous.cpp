@@ -82,13 +82,17 @@ Rendezvous rendezvous(
          "and none may have exited.");
   }
 
-  std::vector<int> host_peers;
+  // One round trip for all of them: a host may hold a hundred ranks.
+  std::vector<std::string> slots;
   const int64_t on_host = store->add(host_key, 0);
   for (int64_t i = 1; i <= on_host; ++i) {
     if (i != slot) {
-      const auto bytes = store->get(host_key + "/" + std::to_string(i));
-      host_peers.push_back(std::stoi(std::string(bytes.begin(), bytes.end())));
+      slots.push_back(host_key + "/" + std::to_string(i));
     }
+  }
+  std::vector<int> host_peers;
+  for (const auto& bytes : slots.empty() ? std::vector<std::vector<uint8_t>>{} : store->multiGet(slots)) {
+    host_peers.push_back(std::stoi(std::string(bytes.begin(), bytes.end())));
   }
 
   if (rank != 0) {

@@ -141,16 +141,23 @@ bool Communicator::peer_abandoned_an_op() const {
 }
 
 void Communicator::unlink_segments_of_dead_peers() {
-  if (!broken() || swept_.exchange(true)) {
+  if (!broken()) {
     return;
   }
-  for (const int pid : host_peers_) {
+  std::lock_guard<std::mutex> lock(sweep_mutex_);
+  const auto gone = [](int pid) {
     const char state = process_state(pid);
     // A stopped peer that made the group fail counts as gone, as it does for shrink().
-    if (state == 'X' || state == 'Z' || state == 'T' || state == 't') {
-      unlink_fabric_segments(pid);
+    return state == 'X' || state == 'Z' || state == 'T' || state == 't';
+  };
+  const auto swept = std::remove_if(host_peers_.begin(), host_peers_.end(), [&](int pid) {
+    if (!gone(pid)) {
+      return false;
     }
-  }
+    unlink_fabric_segments(pid);
+    return true;
+  });
+  host_peers_.erase(swept, host_peers_.end());
 }
 
 Communicator::~Communicator() {

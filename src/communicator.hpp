@@ -87,8 +87,9 @@ class Communicator {
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
 
   // A broken group's peers on this host that died (or are stopped) cannot
-  // unlink libfabric's segments themselves: the survivors do, once, when the
-  // group is shut down or freed (Works still held can delay the latter past a
+  // unlink libfabric's segments themselves: the survivors do, when the group
+  // is shut down and again when it is freed, for peers that were not gone yet
+  // at the first look (Works still held can delay the latter past a
   // multiprocessing child's os._exit).
   void unlink_segments_of_dead_peers();
 
@@ -110,13 +111,13 @@ class Communicator {
   int size_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<ccl::kvs> kvs_;
-  std::vector<int> host_peers_; // pids of the group's other ranks on this host
+  std::vector<int> host_peers_; // pids of the group's other ranks on this host, not yet swept
   std::optional<ccl::communicator> comm_;
   std::unique_ptr<CclTransport> ccl_; // after comm_, which it refers to
   std::unique_ptr<Shm> shm_;          // after ccl_, which it hands large steps to
   std::atomic<bool> broken_{false};
   std::atomic<bool> aborted_{false};
-  std::atomic<bool> swept_{false};
+  std::mutex sweep_mutex_; // host_peers_ after construction
   mutable std::atomic<bool> stores_silent_{false};
   std::atomic<bool> has_hooks_{false};
   mutable std::mutex hooks_mutex_;

@@ -164,23 +164,28 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::run(Call&& call) {
   if (finished) {
     work->complete();
   }
-  if (coalescing_) {
-    coalesced_.push_back(work);
+  std::lock_guard<std::mutex> lock(coalesce_mutex_);
+  if (const auto it = coalescing_.find(std::this_thread::get_id()); it != coalescing_.end()) {
+    it->second.push_back(work);
   }
   return work;
 }
 
 void ProcessGroupCCL::startCoalescing() {
-  TORCH_CHECK(!coalescing_, "ccl: startCoalescing called twice without endCoalescing");
-  coalescing_ = true;
-  coalesced_.clear();
+  std::lock_guard<std::mutex> lock(coalesce_mutex_);
+  TORCH_CHECK(coalescing_.try_emplace(std::this_thread::get_id()).second,
+              "ccl: startCoalescing called twice without endCoalescing");
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::endCoalescing() {
-  TORCH_CHECK(coalescing_, "ccl: endCoalescing called without startCoalescing");
-  coalescing_ = false;
-  auto parts = std::move(coalesced_);
-  coalesced_.clear();
+  std::vector<c10::intrusive_ptr<WorkCCL>> parts;
+  {
+    std::lock_guard<std::mutex> lock(coalesce_mutex_);
+    const auto it = coalescing_.find(std::this_thread::get_id());
+    TORCH_CHECK(it != coalescing_.end(), "ccl: endCoalescing called without startCoalescing on this thread");
+    parts = std::move(it->second);
+    coalescing_.erase(it);
+  }
   std::vector<at::Tensor> outputs;
   for (const auto& part : parts) {
     auto r = part->result();

@@ -16,6 +16,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <sstream>
 
 namespace oneccl_bind_pt {
 
@@ -49,7 +50,21 @@ char process_state(int pid) {
   }
   const std::string stat = read_first_line(("/proc/" + std::to_string(pid) + "/stat").c_str());
   const auto close = stat.rfind(')');
-  return close != std::string::npos && close + 2 < stat.size() ? stat[close + 2] : '?';
+  if (close == std::string::npos || close + 2 >= stat.size()) {
+    return '?';
+  }
+  // After the state: ppid pgrp session tty_nr tpgid flags. A SIGKILLed process
+  // with a large address space (a CUDA build of torch) can take hundreds of ms
+  // to unmap it, with its sockets already closed; it is PF_EXITING from the
+  // start, which counts as dead (else its peers saw the failure, looked, found
+  // it running and left its segments in /dev/shm).
+  std::istringstream fields(stat.substr(close + 2));
+  char state = '?';
+  long long skip = 0;
+  unsigned long long flags = 0;
+  fields >> state >> skip >> skip >> skip >> skip >> skip >> flags;
+  constexpr unsigned long long kPfExiting = 0x4;
+  return fields && (flags & kPfExiting) ? 'X' : state;
 }
 
 bool process_gone(int pid) {

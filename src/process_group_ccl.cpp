@@ -164,9 +164,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::run(Call&& call) {
   if (finished) {
     work->complete();
   }
-  std::lock_guard<std::mutex> lock(coalesce_mutex_);
-  if (const auto it = coalescing_.find(std::this_thread::get_id()); it != coalescing_.end()) {
-    it->second.push_back(work);
+  if (coalescers_.load(std::memory_order_acquire) > 0) { // every op reads this: no lock when nobody coalesces
+    std::lock_guard<std::mutex> lock(coalesce_mutex_);
+    if (const auto it = coalescing_.find(std::this_thread::get_id()); it != coalescing_.end()) {
+      it->second.push_back(work);
+    }
   }
   return work;
 }
@@ -175,6 +177,7 @@ void ProcessGroupCCL::startCoalescing() {
   std::lock_guard<std::mutex> lock(coalesce_mutex_);
   TORCH_CHECK(coalescing_.try_emplace(std::this_thread::get_id()).second,
               "ccl: startCoalescing called twice without endCoalescing");
+  coalescers_.store(coalescing_.size(), std::memory_order_release);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::endCoalescing() {
@@ -185,6 +188,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::endCoalescing() {
     TORCH_CHECK(it != coalescing_.end(), "ccl: endCoalescing called without startCoalescing on this thread");
     parts = std::move(it->second);
     coalescing_.erase(it);
+    coalescers_.store(coalescing_.size(), std::memory_order_release);
   }
   std::vector<at::Tensor> outputs;
   for (const auto& part : parts) {

@@ -180,6 +180,7 @@ class ProcessGroupCCL : public c10d::Backend {
   // the two raced on this list: SIGSEGV or SIGABRT in 4 of 40 abort trials).
   std::mutex coalesce_mutex_;
   std::map<std::thread::id, std::vector<c10::intrusive_ptr<WorkCCL>>> coalescing_; // under coalesce_mutex_
+  std::atomic<size_t> coalescers_{0}; // coalescing_.size(), read without the lock
 };
 
 } // namespace oneccl_bind_pt

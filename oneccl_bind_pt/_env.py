@@ -31,6 +31,15 @@ CCL_ATL_SHM                ``0`` when every rank is on  Ranks on one host exchan
                                                        killed); across hosts, or with
                                                        ONECCL_BIND_PT_SHM=0, oneCCL's is
                                                        used.
+FI_SHM_DISABLE_CMA         ``1``                       libfabric's shared-memory provider
+                                                       (oneCCL's, with CCL_ATL_SHM=1) then
+                                                       copies through its shared buffers,
+                                                       not cross-memory attach: a message
+                                                       larger than the receive it meets
+                                                       (ranks that called different
+                                                       collectives) made that copy loop
+                                                       for good, past any timeout. Not
+                                                       slower here (docs/performance.md).
 CCL_WORKER_OFFLOAD         ``0``                       oneCCL's default worker thread
                                                        busy-polls beside every rank; on
                                                        hosts with fewer spare cores than
@@ -146,6 +155,7 @@ def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str
     _set_default(env, "CCL_LOCAL_SIZE", str(local_size))
     ours = env.get("ONECCL_BIND_PT_SHM", "1").lower() not in ("0", "off", "false")
     _set_default(env, "CCL_ATL_SHM", "0" if ours and local_size == size else "1")
+    _set_default(env, "FI_SHM_DISABLE_CMA", "1")
     if "CCL_WORKER_COUNT" not in env and "CCL_WORKER_AFFINITY" not in env:
         _set_default(env, "CCL_WORKER_OFFLOAD", "0")
     if local_size == size:

@@ -13,8 +13,10 @@ up to half a second, one fault is injected:
 - kill:  SIGKILL of a random rank other than 0;
 - stop:  SIGSTOP of a random rank other than 0 (SIGKILLed once the others are done);
 - store: SIGKILL of rank 0, which hosts the rendezvous store and oneCCL's key-value store;
-- abort: a random rank's group is aborted from another thread of that rank
-  (torch.distributed.distributed_c10d._abort_process_group());
+- abort: a random rank's group is aborted from another thread of that rank (the group's
+  abort(); torch's _abort_process_group() also rewrites torch's own registry of groups and
+  the group's hook table without a lock, which crashes torch itself when another thread is
+  issuing collectives: docs/reliability.md);
 - link-down, drop: rank 0 runs on one host and the others on a second (two network
   namespaces joined by a veth pair, scripts/netns.py; needs root), and the hosts are cut
   apart: the link goes down, or every packet between them is dropped unseen. Across hosts
@@ -92,7 +94,9 @@ def rank_main(rank, world, folder, init_method, timeout, seed):
         flag = folder / f"abort-{rank}"
         while not flag.exists():
             time.sleep(0.01)
-        dist.distributed_c10d._abort_process_group()
+        # Not kept in a variable: a daemon thread holding the last reference to a group
+        # at exit dies in torch's ProcessGroup destructor (docs/reliability.md).
+        dist.group.WORLD.abort()
 
     threading.Thread(target=abort_when_told, daemon=True).start()
     rng = random.Random(seed)  # the same on every rank: the same sequence of collectives

@@ -301,6 +301,50 @@ void wait_for_abort_hooks(std::chrono::milliseconds limit) {
   all.cv.wait_for(lock, limit, [&] { return all.running == 0; });
 }
 
+namespace {
+struct Aborts {
+  std::mutex mutex;
+  std::condition_variable cv;
+  int running = 0;
+  std::chrono::steady_clock::time_point last_end{};
+};
+
+Aborts& aborts() {
+  static auto* all = new Aborts(); // leaked: an abort may outlive static destructors
+  return *all;
+}
+} // namespace
+
+AbortInProgress::AbortInProgress() {
+  std::lock_guard<std::mutex> lock(aborts().mutex);
+  ++aborts().running;
+}
+
+AbortInProgress::~AbortInProgress() {
+  auto& all = aborts();
+  {
+    std::lock_guard<std::mutex> lock(all.mutex);
+    --all.running;
+    all.last_end = std::chrono::steady_clock::now();
+  }
+  all.cv.notify_all();
+}
+
+void settle_aborts(std::chrono::milliseconds limit) {
+  // Time for a thread that left abort() to get through torch's binding and
+  // take the GIL, which is free while we wait here.
+  constexpr std::chrono::milliseconds kBackInPython{50};
+  auto& all = aborts();
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  std::unique_lock<std::mutex> lock(all.mutex);
+  all.cv.wait_until(lock, deadline, [&] { return all.running == 0; });
+  if (all.running == 0 && all.last_end != std::chrono::steady_clock::time_point{}) {
+    const auto settled = std::min(deadline, all.last_end + kBackInPython);
+    lock.unlock();
+    std::this_thread::sleep_until(settled);
+  }
+}
+
 std::string Communicator::broken_reason() const {
   std::lock_guard<std::mutex> lock(why_mutex_);
   return why_;

@@ -37,6 +37,23 @@ void unlink_own_fabric_segments();
 // is writing is not cut off.
 void wait_for_abort_hooks(std::chrono::milliseconds limit);
 
+// Marks a thread inside a group's abort() for its lifetime (process-wide).
+class AbortInProgress {
+ public:
+  AbortInProgress();
+  ~AbortInProgress();
+  AbortInProgress(const AbortInProgress&) = delete;
+  AbortInProgress& operator=(const AbortInProgress&) = delete;
+};
+
+// At interpreter exit: waits (at most `limit`) until no thread is inside a
+// group's abort(), and then a little longer, without the GIL, so that such a
+// thread (a watchdog's, often a daemon thread) takes the GIL and is back in
+// Python before the interpreter finalizes. A thread that takes the GIL after
+// that is ended by pthread_exit, and the unwinding through the C++ frames of
+// torch's binding calls std::terminate: SIGABRT at exit (measured, fault matrix).
+void settle_aborts(std::chrono::milliseconds limit);
+
 class Communicator {
  public:
   Communicator(

@@ -84,12 +84,14 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_shutdown",
       [] {
+        oneccl_bind_pt::settle_aborts(kExitHookWait);
         oneccl_bind_pt::wait_for_abort_hooks(kExitHookWait);
         oneccl_bind_pt::Progress::get().shutdown();
         oneccl_bind_pt::unlink_own_fabric_segments();
       },
       py::call_guard<py::gil_scoped_release>(),
-      "Waits for abort hooks still running (at most 15 s), stops the background progress thread "
+      "Waits for abort() calls and abort hooks still running (at most 15 s each), stops the "
+      "background progress thread "
       "and unlinks libfabric's segments of this process (called at interpreter exit).");
   m.def(
       "_child_exit",

@@ -30,6 +30,7 @@ ProcessGroupCCL::ProcessGroupCCL(
 ProcessGroupCCL::~ProcessGroupCCL() = default;
 
 void ProcessGroupCCL::abort() {
+  const AbortInProgress in_progress; // the interpreter's exit waits for it (settle_aborts)
   // A drain with no time to wait: whether this group has ops in flight.
   const bool ops_in_flight = !Progress::get().drain(*comm_, Clock::now());
   comm_->abort(ops_in_flight);

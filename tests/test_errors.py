@@ -183,6 +183,41 @@ def test_group_timeout_raises_instead_of_hanging():
     assert run_ranks(_collective_times_out, 2, pg_timeout=3) == ["timed out", "absent"]
 
 
+def _mismatched(rank, world, case):
+    """Ranks call collectives that do not match: each must come back (raise, or return where
+    oneCCL cannot tell) within the group timeout, never stay inside the transport."""
+    start = time.monotonic()
+    try:
+        if case == "sizes":  # rank 1's receive is smaller than what rank 0 sends
+            dist.all_reduce(torch.ones(1 << 20 if rank == 0 else 1 << 10))
+        else:  # "skipped": rank 1 misses an op, as torch's abort does to an op issued meanwhile
+            if rank == 0:
+                dist.all_reduce(torch.ones(1 << 16))
+            x = torch.ones(1 << 18)
+            dist.all_to_all_single(torch.empty_like(x), x)
+        outcome = "returned"
+    except dist.DistBackendError as e:
+        msg = str(e)
+        assert "Timed out" in msg or "called different collectives" in msg, msg
+        outcome = "timed out" if "Timed out" in msg else "mismatch"
+    waited = time.monotonic() - start
+    assert waited < 30, f"rank {rank} came back after {waited:.0f} s; the group timeout is 3 s"
+    return outcome
+
+
+# Over oneCCL (across hosts, or ONECCL_BIND_PT_SHM=0) a message larger than the receive it
+# met made libfabric's cross-memory-attach copy loop for good: one rank never came back.
+# On shared memory every rank raises the mismatch at once.
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shm", "oneccl"])
+@pytest.mark.parametrize("case", ["sizes", "skipped"])
+def test_mismatched_collectives_come_back_within_the_timeout(case, shm):
+    outcomes = run_ranks(_mismatched, 2, case, pg_timeout=3, timeout=60, env={"ONECCL_BIND_PT_SHM": shm})
+    if shm == "1":
+        assert outcomes == ["mismatch", "mismatch"]
+    else:  # oneCCL cannot compare the ranks' calls; rank 0's op cannot complete
+        assert outcomes[0] == "timed out", outcomes
+
+
 def _barrier_times_out(rank, world):
     if rank == 1:
         await_announcement("rank 0 done")  # never joins the barrier

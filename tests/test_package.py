@@ -98,11 +98,12 @@ def test_metadata_declares_the_torch_minor_and_the_runtime():
 def test_defaults_never_override_the_user():
     store = dist.HashStore()  # only the launcher-less path writes to it
     env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "CCL_ATL_SHM": "0", "CCL_WORKER_COUNT": "2",
-           "TORCH_INCLUDE_STACK_TRACE": "1"}
+           "TORCH_INCLUDE_STACK_TRACE": "1", "FI_SHM_DISABLE_CMA": "0"}
     _env.apply_ccl_defaults(store, 0, 2, env)
     assert store.num_keys() == 0
     assert env["CCL_ATL_SHM"] == "0"
     assert env["TORCH_INCLUDE_STACK_TRACE"] == "1"
+    assert env["FI_SHM_DISABLE_CMA"] == "0"
     assert "CCL_WORKER_OFFLOAD" not in env  # the user manages workers
     assert env["CCL_LOCAL_RANK"] == "0" and env["CCL_LOCAL_SIZE"] == "2"
     assert env["CCL_KVS_IFACE"] == "lo"

@@ -7,6 +7,46 @@ into the build.
 """
 
 RELEASES = {
+    "2.9": {
+        "version": "2.9.1",
+        "torch": "2.9.1",
+        "torch_requirement": "torch>=2.9.1,<2.10",
+        "python": ["3.10", "3.11", "3.12", "3.13"],
+        "requires_python": ">=3.10,<3.14",
+        "oneccl": "2022.1.2",
+        "impi_rt": "2021.18.1",
+        "tcmlib": "1.6.0",
+    },
+    "2.10": {
+        "version": "2.10.0",
+        "torch": "2.10.0",
+        "torch_requirement": "torch>=2.10.0,<2.11",
+        "python": ["3.10", "3.11", "3.12", "3.13"],
+        "requires_python": ">=3.10,<3.14",
+        "oneccl": "2022.1.2",
+        "impi_rt": "2021.18.1",
+        "tcmlib": "1.6.0",
+    },
+    "2.11": {
+        "version": "2.11.0",
+        "torch": "2.11.0",
+        "torch_requirement": "torch>=2.11.0,<2.12",
+        "python": ["3.10", "3.11", "3.12", "3.13"],
+        "requires_python": ">=3.10,<3.14",
+        "oneccl": "2022.1.2",
+        "impi_rt": "2021.18.1",
+        "tcmlib": "1.6.0",
+    },
+    "2.12": {
+        "version": "2.12.1",
+        "torch": "2.12.1",
+        "torch_requirement": "torch>=2.12.1,<2.13",
+        "python": ["3.10", "3.11", "3.12", "3.13"],
+        "requires_python": ">=3.10,<3.14",
+        "oneccl": "2022.1.2",
+        "impi_rt": "2021.18.1",
+        "tcmlib": "1.6.0",
+    },
     "2.13": {
         "version": "2.13.0",
         "torch": "2.13.0",

@@ -64,7 +64,8 @@ def _selftest_rank(rank, world, store_path, results):
     dist.all_reduce(t)
     ok = t[0].item() == world * (world + 1) / 2
     out = torch.empty(2 * world)
-    dist.all_gather_single(out, torch.full((2,), float(rank)))
+    # all_gather_single is torch 2.13's name for all_gather_into_tensor (the only one before).
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, torch.full((2,), float(rank)))
     ok = ok and out.tolist() == [float(r) for r in range(world) for _ in range(2)]
     b = torch.full((3,), float(rank))
     dist.broadcast(b, src=world - 1)

@@ -2,7 +2,7 @@
 """Build the release artifacts: one sdist per release and one manylinux wheel per
 (torch, Python) pair of meta/releases.yaml, into dist/.
 
-    python scripts/build_wheels.py                              # every pair (11 wheels) + sdists
+    python scripts/build_wheels.py                              # every pair (27 wheels) + sdists
     python scripts/build_wheels.py --torch 2.14.1 --python 3.12 # a selection (both repeatable)
     python scripts/build_wheels.py --from-sdist                 # wheels built from the sdists
     python scripts/build_wheels.py --prune                      # remove the build venvs after

@@ -199,6 +199,13 @@ def release_table(meta):
             f"| {package_version(r)} (pip), {r['torch']} `{r['flavour']}_*` (conda) "
             f"| {minor(r['torch'])}.x (built with {r['torch']}) | {r['oneccl']} | {r['impi_rt']} | {r['hwloc']} "
             f"| {', '.join(r['python'])} | {' '.join(r['checked'].split())} |")
+    # What each release offers: a feature is there from the torch minor that added it to c10d.
+    rows += ["", "| feature | " + " | ".join(minor(r["torch"]) for r in meta["releases"]) + " |",
+             "|---|" + "---|" * len(meta["releases"])]
+    for f in meta.get("features", []):
+        since = tuple(map(int, f["since"].split(".")))
+        marks = ["yes" if tuple(map(int, minor(r["torch"]).split("."))) >= since else "-" for r in meta["releases"]]
+        rows.append(f"| {f['what']} | " + " | ".join(marks) + " |")
     return "\n".join(rows)
 
 

@@ -4,10 +4,15 @@
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
-#include <torch/headeronly/version.h>
+// torch/version.h (not headeronly/version.h, which 2.9 lacks) defines TORCH_VERSION_*.
+#include <torch/version.h>
 
 #define OBPT_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+// 2.10: Backend::shrink (torch.distributed.shrink_group). On 2.9 the backend
+// has none and torch has no shrink_group to call it.
+#define OBPT_HAS_SHRINK OBPT_TORCH_AT_LEAST(2, 10)
 
 // 2.14: Backend::gather_single (gather into one flat tensor on the root),
 // Work::getTimeout (Python's Work.timeout) and an OpType of its own for
@@ -31,6 +36,22 @@ constexpr c10d::OpType kAllgatherIntoTensorCoalesced =
     c10d::OpType::ALLGATHER_INTO_TENSOR_COALESCED;
 #else
     c10d::OpType::COALESCED;
+#endif
+
+// 2.13 gave reduce_scatter_tensor_coalesced an OpType of its own; before, it
+// was recorded as COALESCED, as NCCL's and gloo's were.
+constexpr c10d::OpType kReduceScatterTensorCoalesced =
+#if OBPT_TORCH_AT_LEAST(2, 13)
+    c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED;
+#else
+    c10d::OpType::COALESCED;
+#endif
+
+// PREMUL_SUM's factor: 2.13 renamed NCCLPreMulSumSupplement (kept as an alias).
+#if OBPT_TORCH_AT_LEAST(2, 13)
+using PreMulSumSupplement = c10d::PreMulSumSupplement;
+#else
+using PreMulSumSupplement = c10d::NCCLPreMulSumSupplement;
 #endif
 
 } // namespace oneccl_bind_pt::compat

@@ -42,7 +42,7 @@ inline constexpr OpInfo kReduceScatter{OpType::REDUCE_SCATTER, "reduce_scatter",
 inline constexpr OpInfo kReduceScatterBase{
     OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_single", "pg::reduce_scatter_single", "ccl:reduce_scatter_tensor"};
 inline constexpr OpInfo kReduceScatterTensorCoalesced{
-    OpType::REDUCE_SCATTER_TENSOR_COALESCED, "reduce_scatter_tensor_coalesced",
+    compat::kReduceScatterTensorCoalesced, "reduce_scatter_tensor_coalesced",
     "pg::reduce_scatter_tensor_coalesced", "ccl:reduce_scatter_tensor_coalesced"};
 inline constexpr OpInfo kAlltoallBase{OpType::ALLTOALL_BASE, "all_to_all_single", "pg::all_to_all_single", "ccl:all_to_all"};
 inline constexpr OpInfo kAlltoall{OpType::ALLTOALL, "alltoall", "pg::alltoall", "ccl:all_to_all"};

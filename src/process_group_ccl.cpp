@@ -58,6 +58,7 @@ void ProcessGroupCCL::shutdown() {
   }
 }
 
+#if OBPT_HAS_SHRINK
 c10::intrusive_ptr<c10d::Backend> ProcessGroupCCL::shrink(
     const std::vector<int64_t>& ranks_to_exclude,
     int shrink_flags,
@@ -96,6 +97,7 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupCCL::shrink(
   return c10::make_intrusive<ProcessGroupCCL>(
       store, new_rank, new_size, opts_override ? opts_override->timeout : timeout_);
 }
+#endif
 
 c10::intrusive_ptr<c10d::Backend> ProcessGroupCCL::split(
     const c10::intrusive_ptr<c10d::Store>& store,

@@ -55,6 +55,7 @@ class ProcessGroupCCL : public c10d::Backend {
 #if OBPT_HAS_SUPPORTS_ABORT_HOOKS
   bool supportsAbortHooks() const override { return true; }
 #endif
+#if OBPT_HAS_SHRINK
   // shrink(): a new group of the ranks not excluded, made over the same
   // Store (torch.distributed.shrink_group); SHRINK_ABORT aborts this group's
   // ops first. On one host, excluding a rank whose process still runs raises.
@@ -63,6 +64,7 @@ class ProcessGroupCCL : public c10d::Backend {
       const std::vector<int64_t>& ranks_to_exclude,
       int shrink_flags = 0,
       const c10::intrusive_ptr<Options>& opts_override = nullptr) override;
+#endif
   // split(): torch's ProcessGroup::splitGroup (torch.distributed.split_group)
   // hands each rank the ranks of its new group, in new-rank order, and a
   // store namespaced for that group; a rank outside them gets no backend.

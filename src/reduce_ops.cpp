@@ -1,5 +1,6 @@
 #include "reduce_ops.hpp"
 
+#include "compat.hpp"
 #include "errors.hpp"
 #include "dtypes.hpp"
 
@@ -152,7 +153,7 @@ Reduction make_reduction(
         reject("PREMUL_SUM accepts floating point and complex tensors");
       }
       auto* supplement =
-          dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+          dynamic_cast<compat::PreMulSumSupplement*>(op.supplement_.get());
       CCL_CHECK_ARG(
           supplement != nullptr, "ccl ", op_name,
           ": ReduceOp.PREMUL_SUM carries no factor; build it with "

@@ -26,7 +26,13 @@ from pathlib import Path
 
 import filelock
 import pytest
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# torch 2.13 named these two; 2.9-2.12 have them only as all_gather_into_tensor and
+# reduce_scatter_tensor (the same backend calls).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class RankFailure(AssertionError):

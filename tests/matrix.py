@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from harness import all_gather_single, reduce_scatter_single
+
 FLOATS = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INTS = {"int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64}
 REDUCIBLE = {**FLOATS, **INTS, "bool": torch.bool, "complex64": torch.complex64, "complex128": torch.complex128}
@@ -160,7 +162,7 @@ def _reduce_scatter_single(rank, world, op, dtype):
     inp = data(rank, dtype, shape, op=op)
     keep = inp.clone()
     out = torch.empty((2, 3), dtype=dtype)
-    dist.reduce_scatter_single(out, inp, op=reduce_op(op))
+    reduce_scatter_single(out, inp, op=reduce_op(op))
     full = expected_reduction([data(r, dtype, shape, op=op) for r in range(world)], op, world)
     assert_reduced(out, full[rank * 2 : rank * 2 + 2], "reduce_scatter_single")
     assert same_bytes(inp, keep), "reduce_scatter_single changed its input"
@@ -198,7 +200,7 @@ def _reduce_scatter_coalesced(rank, world, op, dtype):
     try:
         with dist._coalescing_manager(async_ops=True) as cm:
             for o, i in zip(outs, inputs):
-                dist.reduce_scatter_single(o, i, op=reduce_op(op))
+                reduce_scatter_single(o, i, op=reduce_op(op))
     finally:
         dist.distributed_c10d._world.pg_coalesce_state.pop(dist.group.WORLD, None)
     cm.wait()
@@ -260,15 +262,15 @@ def _all_gather_uneven(rank, world, dtype):
 
 def _all_gather_single(rank, world, dtype):
     out = torch.empty((world * 2, 3), dtype=dtype)
-    dist.all_gather_single(out, raw_data(rank, dtype, (2, 3)))
+    all_gather_single(out, raw_data(rank, dtype, (2, 3)))
     assert same_bytes(out, torch.cat([raw_data(r, dtype, (2, 3)) for r in range(world)]))
 
 
 def _all_gather_single_coalesced(rank, world, dtype):
     outs = [torch.empty((world * 2,), dtype=dtype), torch.empty((world * 3, 2), dtype=dtype)]
     with dist._coalescing_manager(async_ops=True) as cm:
-        dist.all_gather_single(outs[0], raw_data(rank, dtype, (2,)))
-        dist.all_gather_single(outs[1], raw_data(rank, dtype, (3, 2), salt=1))
+        all_gather_single(outs[0], raw_data(rank, dtype, (2,)))
+        all_gather_single(outs[1], raw_data(rank, dtype, (3, 2), salt=1))
     cm.wait()
     assert same_bytes(outs[0], torch.cat([raw_data(r, dtype, (2,)) for r in range(world)]))
     assert same_bytes(outs[1], torch.cat([raw_data(r, dtype, (3, 2), salt=1) for r in range(world)]))

@@ -6,7 +6,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness import announce, await_announcement, run_ranks
+from harness import all_gather_single, announce, await_announcement, run_ranks
 
 
 def _async_forms(rank, world):
@@ -99,7 +99,7 @@ def _subgroups(rank, world):
         dist.all_reduce(t, group=g12)
         assert t.tolist() == [5.0, 5.0]
         out = torch.empty(4)
-        dist.all_gather_single(out, torch.full((2,), float(rank)), group=g12)
+        all_gather_single(out, torch.full((2,), float(rank)), group=g12)
         assert out.tolist() == [1.0, 1.0, 2.0, 2.0]
     # The world group still works beside them.
     t = torch.full((2,), 1.0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
+from harness import all_gather_single, reduce_scatter_single, run_ranks
 
 
 def _tiny(rank, world):
@@ -25,10 +25,10 @@ def _tiny(rank, world):
         dist.all_gather(out, torch.full((k,), v))
         assert [o.tolist() for o in out] == [[float(r + 1)] * k for r in range(world)]
         big = torch.empty(world * k)
-        dist.all_gather_single(big, torch.full((k,), v))
+        all_gather_single(big, torch.full((k,), v))
         assert big.tolist() == [float(r + 1) for r in range(world) for _ in range(k)]
         share = torch.empty(k)
-        dist.reduce_scatter_single(share, torch.full((world * k,), v))
+        reduce_scatter_single(share, torch.full((world * k,), v))
         assert share.tolist() == [total] * k
         gl = [torch.empty(k) for _ in range(world)] if rank == 0 else None
         dist.gather(torch.full((k,), v), gather_list=gl, dst=0)

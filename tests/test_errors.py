@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from harness import announce, await_announcement, run_ranks
+from harness import all_gather_single, announce, await_announcement, reduce_scatter_single, run_ranks
 from matrix import expect_error
 
 
@@ -39,9 +39,9 @@ def _cases(rank, world):
         "meta tensor": (lambda: pg.allreduce([meta]).wait(), ["allreduce", "meta", "CPU"]),
         "meta tensor broadcast": (lambda: pg.broadcast([meta]).wait(), ["broadcast", "meta"]),
         "output too small": (
-            lambda: dist.all_gather_single(torch.empty(3), torch.ones(2)), ["all_gather_single", "elements"]),
+            lambda: all_gather_single(torch.empty(3), torch.ones(2)), ["all_gather_single", "elements"]),
         "reduce_scatter_tensor sizes": (
-            lambda: dist.reduce_scatter_single(torch.empty(2), torch.ones(2 * world + 1)),
+            lambda: reduce_scatter_single(torch.empty(2), torch.ones(2 * world + 1)),
             ["reduce_scatter_single", "elements"]),
         "gather list length": (
             # every rank errs (the root's list is short, the others pass one): an
@@ -75,7 +75,7 @@ def _cases(rank, world):
         "unreducible dtype": (
             lambda: dist.all_reduce(torch.ones(2, dtype=torch.uint16)), ["allreduce", "uint16", "float32"]),
         "float8 reduce": (
-            lambda: dist.reduce_scatter_single(torch.empty(1, dtype=torch.float8_e4m3fn),
+            lambda: reduce_scatter_single(torch.empty(1, dtype=torch.float8_e4m3fn),
                                                torch.zeros(world, dtype=torch.float8_e4m3fn)),
             ["reduce_scatter_single", "float8"]),
         "monitored_barrier": (lambda: dist.monitored_barrier(), [MONITORED_BARRIER_NEEDLE]),

@@ -27,6 +27,7 @@ each) stay for the next run.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,85 +40,73 @@ from harness import run_job
 from test_conda import conda_proof
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from make_release import clean_env, prove_subset  # noqa: E402
+
 META = yaml.safe_load((ROOT / "meta" / "releases.yaml").read_text())
 PAIRS = META["ci"]
 WORK = ROOT / "build" / "release"
 
-SUBSET = [
-    "tests/test_package.py",
-    "tests/test_release_api.py",
-    "tests/test_matrix.py", "-k", "not test_case or 2-shm or 2-oneccl",
-    # Async and errors where the release's Work, Future and exception APIs meet ours (every
-    # form of async op, wait timeouts, constructing the backend, the deprecated names, errors
-    # of gloo's kind, timeouts, the survivor's teardown on both transports); what is the same
-    # C++ with more ranks or groups (two groups interleaved, subgroups, 3-rank bad input)
-    # runs at home only.
-    *(f"tests/test_async.py::{name}" for name in (
-        "test_async_forms", "test_wait_timeout_raises_then_op_completes", "test_construct_backend_directly",
-        "test_deprecated_collective_names")),
-    *(f"tests/test_errors.py::{name}" for name in (
-        "test_errors_are_the_kind_gloo_raises", "test_bad_input_raises_and_group_survives[2]",
-        "test_group_timeout_raises_instead_of_hanging", "test_barrier_times_out_like_gloo[ccl-shm]",
-        "test_barrier_times_out_like_gloo[ccl-oneccl]", "test_survivor_destroys_its_group_after_rank_0_exited")),
-    # abort and shrink go through the release's own entry points (Backend.abort, shrink_group);
-    # the shrink example on one transport: how oneCCL learns of the death (its group timeout)
-    # is the same C++ on every release, and runs at home.
-    *(f"tests/test_abort_shrink.py::{name}" for name in (
-        "test_abort_fails_the_ops_in_flight_and_a_new_group_works",
-        "test_a_peer_told_of_an_abort_finds_the_abandoned_op_recorded",
-        "test_shrink_example_trains_on_after_a_rank_is_killed[shm]")),
-    # DDP under torchrun and mpirun against one process is check_wheel's (step 2), not repeated here.
-    "tests/test_examples.py::test_fsdp_example_trains_like_one_process_on_the_whole_batch",
-    # PyTorch's own suite, its smoke plan (6 cases against gloo; marked slow at home).
-    "tests/test_pytorch_suite.py::test_ccl_matches_gloo[smoke]", "--runslow",
-]
 
-
-# A pair on the default release's torch differs from the main run only in its interpreter
-# (the same C++ against the same torch headers): the package checks (import, the doctor's
-# self-test on both transports, the version guards) and what crosses between Python and the
-# extension (async forms and futures, the exception classes), against its installed wheel;
-# DDP is check_wheel's.
-SAME_RELEASE_SUBSET = [
-    "tests/test_package.py",
-    "tests/test_async.py::test_async_forms",
-    "tests/test_errors.py::test_errors_are_the_kind_gloo_raises",
-]
-
-
-def _clean_env():
-    # The inner runs must import their own venv's packages, not this one's.
-    return {k: v for k, v in os.environ.items()
-            if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME") and not k.startswith("PYTEST_")}
-
-
-def _run(cmd, timeout):
+def _run(cmd, timeout, cwd=ROOT):
     # Its own session: a timeout kills the inner run's ranks too, not only its pytest.
-    return run_job(cmd, cwd=ROOT, env=_clean_env(), timeout=timeout)
-
-
-def _subset_pins(torch):
-    """What SUBSET needs beside the wheel: the release's oneCCL (the build checks), auditwheel and
-    the build, test and bench groups (the default release's set also holds integrations, which
-    need a newer Python than some pairs)."""
-    rel = next(r for r in META["releases"] if r["torch"] == torch)
-    # auditwheel: test_package checks the installed extension's symbol versions with it.
-    auditwheel = [pin for pin in META["pip"]["release"]["pins"] if pin.startswith("auditwheel==")]
-    return [f"oneccl-devel=={rel['oneccl']}", *auditwheel, *(pin for group in ("build", "test", "bench")
-                                                             for pin in META["pip"][group]["pins"])]
+    return run_job(cmd, cwd=cwd, env=clean_env(), timeout=timeout)
 
 
 def _id(pair):
     return f"torch{pair['torch']}-py{pair['python']}"
 
 
+def _tree_before(tmp, torch):
+    """A copy of the checkout's files as they were before torch's release: its entry and its ci
+    pair cut out of meta/releases.yaml, and the generated files made from that."""
+    tree = tmp / "tree"
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, tree / name)
+    meta = tree / "meta" / "releases.yaml"
+    text, n_ci = re.subn(rf'^  - {{torch: "{re.escape(torch)}".*\n', "", meta.read_text(), flags=re.M)
+    # The entry: its first line through the line before the next entry or top-level key.
+    text, n_entry = re.subn(rf'^  - torch: "{re.escape(torch)}"\n(?:(?:    .*)?\n)*?(?=^  - |^\S|\Z)', "", text,
+                            flags=re.M)
+    assert (n_ci, n_entry) == (1, 1), f"torch {torch}: {n_ci} ci pairs, {n_entry} entries cut"
+    meta.write_text(text)
+    _run([sys.executable, "scripts/gen_release_files.py"], timeout=300, cwd=tree)
+    assert not (tree / "requirements" / f"torch-{torch}.txt").exists()
+    return tree
+
+
+def _via_release_command(pair, tmp, dist):
+    """The release path of docs/releasing.md on a tree without the pair's release: one edit
+    (meta/releases.yaml given its entry and ci pair again) and one command (scripts/make_release.py)."""
+    tree = _tree_before(tmp, pair["torch"])
+    (tree / "meta" / "releases.yaml").write_text((ROOT / "meta" / "releases.yaml").read_text())  # the one edit
+    out = _run([sys.executable, "scripts/make_release.py", "--torch", pair["torch"], "--python", pair["python"],
+                "--subset", pair["subset"], "--dist", dist, "--work", WORK], timeout=3600, cwd=tree)
+    # The command wrote what the checkout holds for that release, and named what to publish.
+    for name in (f"requirements/torch-{pair['torch']}.txt", "oneccl_bind_pt/_version.py", "README.md",
+                 "recipe/conda_build_config.yaml", f"environments/torch-{pair['torch']}-py{pair['python']}.yml"):
+        assert (tree / name).read_text() == (ROOT / name).read_text(), name
+    assert "Publish:" in out and f"oneccl_bind_pt-{pair['torch']}.tar.gz" in out, out
+    return out
+
+
 @pytest.fixture(scope="module", params=PAIRS, ids=_id)
 def proven(request, tmp_path_factory):
-    """The pair's wheel built, proven in a fresh venv (kept), that venv given the test pins."""
+    """The pair's wheel built, proven in a fresh venv, and the pair's subset run against it."""
     pair = request.param
     dist = tmp_path_factory.mktemp("dist")
     select = ["--torch", pair["torch"], "--python", pair["python"]]
+    venv = WORK / "check" / f"venv-torch{pair['torch']}-py{pair['python']}"
     start = time.monotonic()
+    if pair.get("release_command"):
+        built = checked = _via_release_command(pair, tmp_path_factory.mktemp("release"), dist)
+        print(f"{_id(pair)}: make_release {time.monotonic() - start:.0f} s", file=sys.stderr)
+        yield {"pair": pair, "dist": dist, "venv": None, "built": built, "checked": checked, "subset": built}
+        return
     built = _run([sys.executable, "scripts/build_wheels.py", *select, "--dist", dist, "--work", WORK,
                   *(["--from-sdist"] if pair["from_sdist"] else [])], timeout=3600)
     build_s = time.monotonic() - start
@@ -125,13 +114,15 @@ def proven(request, tmp_path_factory):
     checked = _run([sys.executable, "scripts/check_wheel.py", *select, "--dist", dist, "--work", WORK / "check",
                     "--keep"], timeout=3600)
     check_s = time.monotonic() - start
-    venv = WORK / "check" / f"venv-torch{pair['torch']}-py{pair['python']}"
-    _run([venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile",
-          *_subset_pins(pair["torch"])], timeout=1800)
-    print(f"{_id(pair)}: build {build_s:.0f} s, wheel check {check_s:.0f} s", file=sys.stderr)
-    yield {"pair": pair, "dist": dist, "venv": venv, "built": built, "checked": checked}
-    # About 5.5 GB (a CUDA torch) and made fresh every run: gone before the next pair's.
-    shutil.rmtree(venv, ignore_errors=True)
+    try:
+        start = time.monotonic()
+        subset = prove_subset(venv, META, pair["torch"], pair["subset"])
+        print(f"{_id(pair)}: build {build_s:.0f} s, wheel check {check_s:.0f} s, subset {pair['subset']} "
+              f"{time.monotonic() - start:.0f} s", file=sys.stderr)
+        yield {"pair": pair, "dist": dist, "venv": venv, "built": built, "checked": checked, "subset": subset}
+    finally:
+        # About 5.5 GB (a CUDA torch) and made fresh every run: gone before the next pair's.
+        shutil.rmtree(venv, ignore_errors=True)
 
 
 def test_wheel_is_manylinux_and_trains_from_a_fresh_venv(proven):
@@ -177,8 +168,7 @@ def test_conda_package_on_the_pairs_python(proven, tmp_path):
 
 
 def test_installed_wheel_passes_the_subset(proven):
-    start = time.monotonic()
-    subset = SAME_RELEASE_SUBSET if proven["pair"]["torch"] == META["default"] else SUBSET
-    _run([proven["venv"] / "bin" / "pytest", "-q", "-p", "no:cacheprovider", *subset], timeout=3600)
-    print(f"{_id(proven['pair'])}: subset {time.monotonic() - start:.0f} s", file=sys.stderr)
-
+    """The pair's `subset` (scripts/make_release.py's SUBSETS) ran green against its wheel."""
+    if proven["pair"]["subset"] == "none":
+        pytest.skip("this pair's proof is its wheel's DDP under torchrun and mpirun (subset: none)")
+    assert re.search(r"\b\d+ passed\b", proven["subset"]) and " failed" not in proven["subset"], proven["subset"]

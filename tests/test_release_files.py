@@ -177,12 +177,12 @@ def test_release_for_takes_any_patch_and_local_tag_of_a_minor():
         major, minor = rel["torch"].split(".")[:2]
         for seen in (rel["torch"], f"{major}.{minor}.7+cu130", f"{major}.{minor}.0a0+git1234"):
             assert release_for(seen)["torch"] == rel["torch"], seen
-    assert release_for("2.12.1+cpu") is None and release_for("3.0.0") is None
+    assert release_for("2.8.0+cpu") is None and release_for("3.0.0") is None
 
 
 def test_readme_tables_list_every_pair_and_how_each_release_was_checked():
-    matrix, pins = gen.release_table(META).split("\n\n")
-    matrix, pins = matrix.splitlines(), pins.splitlines()
+    matrix, pins, features = gen.release_table(META).split("\n\n")
+    matrix, pins, features = matrix.splitlines(), pins.splitlines(), features.splitlines()
     pythons = sorted({p for _, p in PAIRS})
     assert matrix[0] == "| torch | " + " | ".join(f"Python {p}" for p in pythons) + " |"
     ci = {(e["torch"], e["python"]) for e in META["ci"]} | {(DEFAULT, META["default_python"])}
@@ -195,6 +195,22 @@ def test_readme_tables_list_every_pair_and_how_each_release_was_checked():
     for rel, row in zip(RELEASES, pins[2:]):
         assert row.startswith(f"| {rel['torch']} (pip)"), row
         assert " ".join(rel["checked"].split()) in row
+    # Each feature row marks the releases whose torch minor is at least the one that added it.
+    assert features[0] == "| feature | " + " | ".join(".".join(r["torch"].split(".")[:2]) for r in RELEASES) + " |"
+    assert len(features) == 2 + len(META["features"])
+    for feature, row in zip(META["features"], features[2:]):
+        marks = [c.strip() for c in row.rsplit("|", len(RELEASES) + 1)[1:-1]]
+        since = tuple(int(x) for x in feature["since"].split("."))
+        assert marks == ["yes" if releases.version_tuple(r["torch"])[:2] >= since else "-" for r in RELEASES], row
+
+
+def test_every_ci_pair_names_a_proof_subset_that_exists():
+    from make_release import SUBSETS
+
+    assert {e["subset"] for e in META["ci"]} <= set(SUBSETS), META["ci"]
+    # Every release but the default one is proven in CI, and every Python by one pair.
+    assert {e["torch"] for e in META["ci"]} == {r["torch"] for r in RELEASES} - {DEFAULT}
+    assert {e["python"] for e in META["ci"]} | {META["default_python"]} == {p for _, p in PAIRS}
 
 
 def test_recipe_renders_one_package_per_pair_with_its_pins():

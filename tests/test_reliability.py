@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import apt_install, communicate, popen, require, run_ranks
+from harness import all_gather_single, apt_install, communicate, popen, reduce_scatter_single, require, run_ranks
 from test_launchers import BIN, ROOT, free_port, run
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -181,12 +181,12 @@ def _soak(rank, world, count, distinct_sizes):
             check = (lambda x=x, want=want: _expect(x[0].item() == want and x[-1].item() == want, op))
         elif op == "all_gather":
             out = torch.empty(n)
-            work = dist.all_gather_single(out, torch.full((n // world,), v), group=group, async_op=async_op)
+            work = all_gather_single(out, torch.full((n // world,), v), group=group, async_op=async_op)
             check = (lambda out=out, i=i, k=n // world: _expect(
                 all(out[r * k].item() == (i % 97) + r for r in range(world)), op))
         elif op == "reduce_scatter":
             out = torch.empty(n // world)
-            work = dist.reduce_scatter_single(out, torch.full((n,), v), group=group, async_op=async_op)
+            work = reduce_scatter_single(out, torch.full((n,), v), group=group, async_op=async_op)
             want = sum((i % 97) + r for r in range(world))
             check = (lambda out=out, want=want: _expect(out[-1].item() == want, op))
         elif op == "all_to_all":

@@ -18,6 +18,28 @@ def _at_least(major, minor):
     return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
 
 
+def test_readme_feature_table_is_what_this_torch_has():
+    """README's feature table (meta/releases.yaml `features`) says from which release torch has
+    each name; the torch this runs on must agree."""
+    import importlib
+    import pathlib
+
+    import yaml
+
+    meta = yaml.safe_load((pathlib.Path(__file__).resolve().parent.parent / "meta" / "releases.yaml").read_text())
+    for feature in meta["features"]:
+        if "attr" not in feature:
+            continue
+        module, _, name = feature["attr"].rpartition(".")
+        try:
+            owner = importlib.import_module(module)
+        except ImportError:  # torch.distributed.ProcessGroup: a class, not a module
+            module, _, cls = module.rpartition(".")
+            owner = getattr(importlib.import_module(module), cls)
+        since = tuple(int(x) for x in feature["since"].split("."))
+        assert hasattr(owner, name) == _at_least(*since), (feature["attr"], torch.__version__, feature["since"])
+
+
 needs_2_14 = pytest.mark.skipif(not _at_least(2, 14), reason=f"torch 2.14 added it; this is torch {torch.__version__}")
 needs_2_15 = pytest.mark.skipif(not _at_least(2, 15), reason=f"torch 2.15 added it; this is torch {torch.__version__}")
 

@@ -1,7 +1,7 @@
 """The (torch, Python) pairs CI proves beside the default pair, inside the README's test command.
 
 The rest of tests/ runs on the default pair (the venv running this file). meta/releases.yaml
-lists under `ci` one pair per non-default Python and per other release. For each, the way a
+lists under `ci` one pair per other release, every Python in at least one. For each, the way a
 release is made and installed:
 
 1. scripts/build_wheels.py builds its wheel (from the release's sdist where the pair says
@@ -11,17 +11,14 @@ release is made and installed:
    holds only its torch, with no compiler, and trains examples/ddp.py under torchrun and
    mpirun to the checksum one process computes (scripts/ddp_reference.py); on torch >= 2.14
    a script that never imports the package trains on "ccl" (the entry point).
-3. That venv then gets the release's test pins, and its pytest runs SUBSET against the
-   installed wheel: the package and build checks, the c10d API the release added, the op x
-   dtype matrix on 2 ranks through both transports, async and errors where the release's
-   APIs meet ours, FSDP training and the smoke plan of PyTorch's distributed suite (DDP
-   under torchrun and mpirun was step 2's). A release's C++ API differs in src/compat.hpp
-   only, so what the subset leaves out (3 and 4 ranks, more launchers, integrations) runs
-   the same code. A pair on the default release's torch (another
-   Python) runs SAME_RELEASE_SUBSET.
+3. That venv then gets the test pins, and its pytest runs the pair's `subset` (the lists in
+   scripts/make_release.py's SUBSETS) against the installed wheel.
+
+A pair marked release_command is made instead the way a new release is (docs/releasing.md):
+in a copy of the tree without its entry, the entry put back, then scripts/make_release.py.
 
 A clean machine downloads each pair's torch once (PyPI's torch for these Pythons is a CUDA
-build: about 5.5 GB installed each); the pip cache serves later runs. Each pair's fresh venv
+build: 4.6-7 GB installed each). Each pair's fresh venv
 is removed after its tests, so the run needs one at a time; the build venvs (about 1.4 GB
 each) stay for the next run.
 """

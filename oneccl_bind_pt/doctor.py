@@ -152,6 +152,10 @@ def main(argv=None) -> int:
         f"(Python {', '.join(r['python'])})"
         for r in oneccl_bind_pt.supported_releases()))
     print(f"oneCCL           built with {_C.ccl_build_version}, running {_C.ccl_runtime_version()}")
+    try:
+        print(f"shared memory    {_C.kernels()}")
+    except ValueError as e:  # an ONECCL_BIND_PT_KERNELS/_COPY value it does not know
+        problems.append(str(e).splitlines()[0])
     hwloc, fabric = _loaded_library("libhwloc"), _libfabric()
     on_path, ours = _mpirun()
     print(f"hwloc            {hwloc or 'NOT FOUND'}")

@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <cstddef>
+#include <string>
 
 namespace oneccl_bind_pt {
 
@@ -18,6 +19,23 @@ namespace oneccl_bind_pt {
 // of the inputs. `count` is in elements of the kernel's type (complex types
 // are handled as pairs of their real type by the caller).
 using ReduceKernel = void (*)(void* out, const void* const* in, int n, size_t count);
+
+// The instruction sets the kernels and the copy loop are compiled for, in order.
+enum class Isa { Baseline, Avx2, Avx512, Invalid };
+
+// What this process uses: chosen once from the CPU (AVX2 where it has it, AVX-512
+// only when asked), then ONECCL_BIND_PT_KERNELS (avx512, avx2, baseline) and
+// ONECCL_BIND_PT_COPY (glibc, loop). The first call throws
+// c10::ValueError for a value it does not know; the group's constructor makes it.
+struct Kernels {
+  Isa isa = Isa::Baseline;  // the reduce kernels' and the copy loop's
+  Isa best = Isa::Baseline; // the best this CPU runs
+  bool glibc_copy = false;  // copies of 4 KiB and more through glibc's memcpy
+  const char* why = "";
+  const char* copy_why = "";
+  std::string description;  // one line, for the doctor
+};
+const Kernels& kernels();
 
 // The kernel for `op` on `dtype`, or nullptr when there is none.
 // AVG and PREMUL_SUM use the SUM kernel (the caller scales); bool uses

@@ -1,6 +1,7 @@
 // Registration: the Python extension module `oneccl_bind_pt._C`.
 // The Python package registers the backend with torch.distributed on import.
 #include "errors.hpp"
+#include "kernels.hpp"
 #include "process_group_ccl.hpp"
 #include "raw.hpp"
 #include "work.hpp"
@@ -118,6 +119,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("value_error"),
       py::arg("type_error"),
       "Maps the backend's argument errors to these Python classes (called once on import).");
+  m.def(
+      "kernels",
+      [] { return oneccl_bind_pt::kernels().description; },
+      "The shared-memory transport's reduce kernels and copy, and why they were chosen.");
   m.def("ccl_runtime_version", &runtime_ccl_version, "oneCCL version loaded at run time.");
   m.attr("ccl_build_version") = std::to_string(CCL_MAJOR_VERSION) + "." +
       std::to_string(CCL_MINOR_VERSION) + "." + std::to_string(CCL_UPDATE_VERSION);

@@ -3,6 +3,7 @@
 #include "checks.hpp"
 #include "errors.hpp"
 #include "dtypes.hpp"
+#include "kernels.hpp"
 #include "ops.hpp"
 #include "reduce_ops.hpp"
 #include "shm.hpp"
@@ -24,7 +25,9 @@ ProcessGroupCCL::ProcessGroupCCL(
     std::chrono::milliseconds timeout)
     : c10d::Backend(rank, size),
       store_(store),
-      comm_(std::make_shared<Communicator>(store, rank, size, timeout)),
+      // The kernel choice first: an unknown ONECCL_BIND_PT_KERNELS/_COPY raises here, on
+      // every rank, before the rendezvous, not later inside a collective.
+      comm_((kernels(), std::make_shared<Communicator>(store, rank, size, timeout))),
       timeout_(timeout) {}
 
 ProcessGroupCCL::~ProcessGroupCCL() = default;
@@ -222,7 +225,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::send(
     int dst_rank,
     int tag) {
   const char* op = kSend.name;
-  check_p2p_usable(op);
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
   check_rank(op, "destination rank", dst_rank, getSize());
   CCL_CHECK_ARG(dst_rank != getRank(), "ccl send: a rank cannot send to itself (rank ", dst_rank, ")");
@@ -237,7 +239,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::recv(
     int src_rank,
     int tag) {
   const char* op = kRecv.name;
-  check_p2p_usable(op);
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
   check_rank(op, "source rank", src_rank, getSize());
   CCL_CHECK_ARG(src_rank != getRank(), "ccl recv: a rank cannot receive from itself (rank ", src_rank, ")");
@@ -251,34 +252,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::recvAnysource(
     int tag) {
   const char* op = kRecvAnysource.name;
   if (comm_->shm()) {
-    check_p2p_usable(op);
     at::Tensor t = single(op, tensors, /*dense_ok=*/true);
     Call call{kRecvAnysource, timeout_, {t}, {t}};
     call.prims.push_back(bytes(K::Recv, nullptr, ptr(t), nbytes(t), /*peer=*/-1, tag));
     return run(std::move(call));
   }
-  // Across hosts oneCCL carries p2p, and it has no wildcard receive. The
-  // message meant for this recv may already be queued; a later recv from its
-  // sender would take it instead of the right one. So p2p stops here.
-  p2p_disabled_.store(true, std::memory_order_release);
+  // Across hosts oneCCL carries p2p, and it has no wildcard receive. The refusal
+  // comes before anything is posted, so the group is as it was: a message sent for
+  // this recv stays queued for the next recv from its sender (oneCCL keeps the
+  // messages between two ranks in order), which is where a retry with src= finds it.
   CCL_CHECK_ARG(
       false,
       "ccl recv: receiving from any source (src=None) is not supported on a process group whose "
-      "data goes through oneCCL (it spans hosts, or ONECCL_BIND_PT_SHM=0): oneCCL has no wildcard receive. Pass the sender's rank as src. Point-to-point "
-      "ops on this group now raise, since a message sent for this recv may still be queued; "
-      "collectives still work.");
+      "data goes through oneCCL (it spans hosts, or ONECCL_BIND_PT_SHM=0): oneCCL has no wildcard "
+      "receive. Pass the sender's rank as src; nothing was received, and a message already sent "
+      "to this rank waits for the next recv from its sender.");
   return {};
-}
-
-void ProcessGroupCCL::check_p2p_usable(const char* op) const {
-  if (C10_UNLIKELY(p2p_disabled_.load(std::memory_order_acquire))) {
-    C10_THROW_ERROR(
-        DistBackendError,
-        std::string("ccl ") + op +
-            ": point-to-point ops are disabled on this process group after a recv from any source "
-            "(src=None) was refused: a message sent for it may still be queued and would be "
-            "received by the wrong recv. Create a new group for point-to-point traffic.");
-  }
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::barrier(const c10d::BarrierOptions& opts) {

@@ -172,10 +172,8 @@ class ProcessGroupCCL : public c10d::Backend {
   std::shared_ptr<Communicator> comm_;
   std::chrono::milliseconds timeout_;
   int shrinks_ = 0; // every survivor shrinks in the same order: their new groups' keys agree
-  void check_p2p_usable(const char* op) const;
 
   std::atomic<uint64_t> seq_{0};
-  std::atomic<bool> p2p_disabled_{false}; // after a refused recv from any source
   // Coalescing (batch_isend_irecv, _coalescing_manager) collects the ops of the
   // thread that started it: torch 2.15's _abort_process_group() coalesces its
   // aborts on one thread while another may still be issuing ops (unguarded,

@@ -6,8 +6,18 @@
 
 #include <c10/util/Exception.h>
 
+#include <fcntl.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <string>
+#include <thread>
 
 namespace oneccl_bind_pt {
 
@@ -105,10 +115,125 @@ std::unique_ptr<Pending> CclTransport::start(const char* op, std::vector<Prim> p
   return std::make_unique<CclPending>(comm_, op, std::move(prims));
 }
 
+namespace {
+
+// oneCCL reads its variables in ccl::init() and reports each one that differs
+// from its default on stdout, CCL_LOG_LEVEL too: that report is made before the
+// level applies, so the package's own default (CCL_LOG_LEVEL=error, which hides
+// the others) printed one oneCCL line at every start. While init runs at that
+// level, stdout goes through a pipe whose reader passes every line on as it comes,
+// except that one. The reader stops once init is over and the pipe is drained (not
+// at the pipe's end: a child forked meanwhile may hold its write end for good).
+class WithoutLogLevelNotice {
+ public:
+  WithoutLogLevelNotice() {
+    const char* level = std::getenv("CCL_LOG_LEVEL");
+    if (!level || std::strcmp(level, "error") != 0 || pipe2(pipe_, O_CLOEXEC) != 0) {
+      return;
+    }
+    std::fflush(stdout);
+    out_ = fcntl(STDOUT_FILENO, F_DUPFD_CLOEXEC, 0);
+    if (out_ < 0) {
+      close_pipe();
+      return;
+    }
+    try {
+      reader_ = std::thread([this] { pass_on(); });
+    } catch (...) {
+      close(out_);
+      out_ = -1;
+      close_pipe();
+      return;
+    }
+    if (dup2(pipe_[1], STDOUT_FILENO) < 0) {
+      restore();
+    }
+  }
+  ~WithoutLogLevelNotice() {
+    restore();
+  }
+  WithoutLogLevelNotice(const WithoutLogLevelNotice&) = delete;
+  WithoutLogLevelNotice& operator=(const WithoutLogLevelNotice&) = delete;
+
+ private:
+  void restore() {
+    if (out_ < 0) {
+      return;
+    }
+    std::fflush(stdout);
+    dup2(out_, STDOUT_FILENO);
+    done_.store(true, std::memory_order_release);
+    reader_.join();
+    close(out_);
+    out_ = -1;
+    close_pipe();
+  }
+
+  void close_pipe() {
+    for (int& fd : pipe_) {
+      if (fd >= 0) {
+        close(fd);
+        fd = -1;
+      }
+    }
+  }
+
+  void pass_on() {
+    std::string line;
+    char buf[4096];
+    for (;;) {
+      pollfd p{pipe_[0], POLLIN, 0};
+      const int ready = poll(&p, 1, 20);
+      if (ready == 0 || (ready < 0 && errno != EINTR)) {
+        if (done_.load(std::memory_order_acquire)) {
+          break; // init is over and nothing is left to read
+        }
+        continue;
+      }
+      const ssize_t n = ready > 0 ? read(pipe_[0], buf, sizeof buf) : -1;
+      if (n == 0) {
+        break;
+      }
+      for (ssize_t i = 0; i < n; ++i) {
+        line += buf[i];
+        if (buf[i] == '\n') {
+          emit(line);
+          line.clear();
+        }
+      }
+    }
+    emit(line);
+  }
+
+  void emit(const std::string& line) const {
+    if (line.empty() || line.find("value of CCL_LOG_LEVEL changed") != std::string::npos) {
+      return;
+    }
+    for (size_t done = 0; done < line.size();) {
+      const ssize_t n = write(out_, line.data() + done, line.size() - done);
+      if (n < 0 && errno == EINTR) {
+        continue;
+      }
+      if (n <= 0) {
+        return;
+      }
+      done += static_cast<size_t>(n);
+    }
+  }
+
+  int pipe_[2] = {-1, -1};
+  int out_ = -1; // the real stdout, while init writes to the pipe
+  std::atomic<bool> done_{false};
+  std::thread reader_;
+};
+
+} // namespace
+
 void ensure_ccl_initialized() {
   static std::once_flag once;
   std::call_once(once, [] {
     try {
+      const WithoutLogLevelNotice quiet;
       ccl::init();
     } catch (const ccl::exception& e) {
       C10_THROW_ERROR(

@@ -47,14 +47,31 @@ def mpi_style_reference(world):
     return one_process_checksum(world, lr=0.1, steps=3, seed_of_rank=lambda r: r)
 
 
+def nothing_of_oneccl(out):
+    # A default run prints no oneCCL line: the package's CCL_LOG_LEVEL=error hides oneCCL's
+    # notices, and the one about that variable itself is filtered out at oneCCL's init.
+    assert "|CCL_" not in out, out
+
+
 def test_torchrun_ddp_example():
     out = run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "examples/ddp.py"])
     checksums(out, 2, ddp_reference(2))
+    nothing_of_oneccl(out)
 
 
 def test_mpirun_ddp_example():
     out = run([BIN / "mpirun", "-n", "2", sys.executable, "examples/ddp.py"], env={"MASTER_PORT": str(free_port())})
     checksums(out, 2, ddp_reference(2))
+    nothing_of_oneccl(out)
+
+
+def test_oneccl_notices_show_when_the_user_sets_the_level():
+    # The other side of nothing_of_oneccl: the same run at the level a user may choose prints
+    # oneCCL's notices, so their absence above is the package's doing, not a lost stream.
+    out = run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "examples/ddp.py"],
+              env={"CCL_LOG_LEVEL": "warn"})
+    checksums(out, 2, ddp_reference(2))
+    assert "|CCL_WARN| value of CCL_PROCESS_LAUNCHER changed" in out, out
 
 
 def test_spawn_ddp_example():

@@ -1,12 +1,13 @@
-"""send/recv: tags, recv from any source, and no stale message after a refusal.
+"""send/recv: tags, recv from any source, and a usable group after a refusal.
 
 On one host p2p runs through shared memory, which matches messages by
 (source, tag) as gloo does and can receive from any source; each case runs
 there twice: streamed through the rings (`staged`) and with the receiver
 reading the sender's tensor (`single`, single copy at every size). Across hosts
-oneCCL carries it, with neither; there a recv from any source is refused and
-the group's p2p is switched off, so no later recv can take the message that
-was meant for it (ONECCL_BIND_PT_SHM=0 gives that path on one host).
+oneCCL carries it, with neither; there a recv from any source is refused before
+anything is posted, and the group stays usable: a message already sent waits for
+the next recv that names its sender (ONECCL_BIND_PT_SHM=0 gives that path on one
+host).
 """
 
 from __future__ import annotations
@@ -98,13 +99,47 @@ def test_any_source_then_batch_gets_the_right_message(path):
     assert after == [2.0, 2.0]
 
 
-def test_refused_any_source_leaves_no_stale_message_behind():
-    results = run_ranks(_then_batch, 2, env=NO_SHM, pg_timeout=5)
-    outcome, after = results[0]
-    assert outcome[0] == "refused" and "any source" in outcome[1], outcome
-    # Without a wildcard receive, rank 1's first message is still queued: the
-    # batch must not hand it to rank 0 as if it were the second.
-    assert isinstance(after, str) and "point-to-point ops are disabled" in after, after
+def _refused_then_retried(rank, world):
+    """Every other rank sends to rank 0, whose recv from any source is refused; rank 0 then
+    receives each message by naming its sender, and the group goes on (p2p and collectives)."""
+    if rank != 0:
+        dist.send(torch.full((2,), float(rank)), dst=0)
+        dist.send(torch.full((2,), 10.0 * rank), dst=0)
+    else:
+        try:
+            dist.recv(torch.empty(2))
+        except RuntimeError as e:
+            refused = str(e)
+        else:
+            raise AssertionError("recv(src=None) on the oneCCL path was neither refused nor failed")
+        assert "any source" in refused and "Pass the sender's rank as src" in refused, refused
+        got = {}
+        for src in range(world - 1, 0, -1):  # in another order than the senders ran
+            first, second = torch.empty(2), torch.empty(2)
+            dist.recv(first, src=src)
+            dist.recv(second, src=src)
+            got[src] = (first.tolist(), second.tolist())
+        assert got == {s: ([float(s)] * 2, [10.0 * s] * 2) for s in range(1, world)}, got
+    dist.barrier()
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t)
+    peer = (rank + 1) % world
+    back = torch.empty(1)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.tensor([float(rank)]), peer),
+                                    dist.P2POp(dist.irecv, back, (rank - 1) % world)])
+    for w in works:
+        w.wait()
+    return t.tolist(), back.item()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_refused_any_source_leaves_the_group_usable(world):
+    # On gloo the recv would take either message; oneCCL has no wildcard receive, so it is
+    # refused before anything is posted, and the messages wait for receives that name their
+    # senders, in the order they were sent. A short group timeout: a hang fails fast.
+    results = run_ranks(_refused_then_retried, world, env=NO_SHM, pg_timeout=20, timeout=120)
+    total = float(sum(range(world)))
+    assert results == [([total] * 3, float((r - 1) % world)) for r in range(world)], results
 
 
 def _size_mismatch(rank, world):

@@ -6,7 +6,8 @@
 DDP averages the ranks' gradients, which is the gradient of their mean loss: one process
 that sees every rank's batch and averages the losses ends with the same parameters (up to
 float rounding). scripts/check_wheel.py compares the ranks' checksums with this value;
-tests/test_launchers.py imports one_process_checksum for its scripts.
+tests/test_launchers.py imports one_process_checksum for its scripts, tests/test_two_hosts.py
+one_process_parameters.
 """
 
 import argparse
@@ -16,7 +17,13 @@ import torch.nn as nn
 
 
 def one_process_checksum(world, lr, steps, seed_of_rank):
-    """The training of a Linear(4, 5) model the examples do, on all `world` ranks' data at once."""
+    """The sum of one_process_parameters()."""
+    return one_process_parameters(world, lr, steps, seed_of_rank).sum().item()
+
+
+def one_process_parameters(world, lr, steps, seed_of_rank):
+    """The training of a Linear(4, 5) model the examples do, on all `world` ranks' data at once;
+    its weight and bias, flattened, in float64."""
     torch.manual_seed(0)
     model = nn.Linear(4, 5)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -28,7 +35,7 @@ def one_process_checksum(world, lr, steps, seed_of_rank):
         optimizer.zero_grad()
         sum(nn.functional.mse_loss(model(b[step][0]), b[step][1]) for b in batches).div(world).backward()
         optimizer.step()
-    return sum(p.detach().double().sum().item() for p in model.parameters())
+    return torch.cat([p.detach().double().flatten() for p in model.parameters()])
 
 
 def ddp_example_checksum(world):

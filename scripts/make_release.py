@@ -47,14 +47,14 @@ SUBSETS = {
         # Async and errors where the release's Work, Future and exception APIs meet ours (every
         # form of async op, wait timeouts, constructing the backend, the deprecated names, errors
         # of gloo's kind, timeouts, the survivor's teardown on both transports); what is the same
-        # C++ with more ranks or groups (two groups interleaved, subgroups, 3-rank bad input)
-        # runs at home only.
-        *(f"tests/test_async.py::{name}" for name in (
+        # C++ with more ranks or groups (two groups interleaved, subgroups, 3-rank bad input),
+        # and the async and timeout cases on oneCCL (the same Work either way), runs at home only.
+        *(f"tests/test_async.py::{name}[shm]" for name in (
             "test_async_forms", "test_wait_timeout_raises_then_op_completes", "test_construct_backend_directly",
             "test_deprecated_collective_names")),
         *(f"tests/test_errors.py::{name}" for name in (
             "test_errors_are_the_kind_gloo_raises", "test_bad_input_raises_and_group_survives[2]",
-            "test_group_timeout_raises_instead_of_hanging", "test_barrier_times_out_like_gloo[ccl-shm]",
+            "test_group_timeout_raises_instead_of_hanging[shm]", "test_barrier_times_out_like_gloo[ccl-shm]",
             "test_barrier_times_out_like_gloo[ccl-oneccl]", "test_survivor_destroys_its_group_after_rank_0_exited")),
         # p2p on both transports (tags, any-source receive, batched isend/irecv).
         "tests/test_p2p.py",

@@ -4,8 +4,8 @@
         subprocess.Popen(h.on(0, [python, "rank.py"]))   # runs "on" host 0 (address h.addr[0])
         h.partition("drop")                              # the hosts stop hearing each other
 
-The tests (tests/test_reliability.py's two_hosts fixture) and scripts/fault_matrix.py's
-partition rows use it.
+The tests (tests/test_two_hosts.py's two_hosts fixture), scripts/bench_hosts.py and
+scripts/fault_matrix.py's partition rows use it.
 """
 
 from __future__ import annotations

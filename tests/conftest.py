@@ -2,16 +2,18 @@ import os
 
 import pytest
 
+from harness import TRANSPORTS
+
 # `pytest -m quick`: each area once, a few minutes in all (measured: see below). Kept here,
 # in one list, so that the tier can be read (and timed) as a whole.
 QUICK = (
     "tests/test_package.py::test_three_import_names_are_one_module",            # package import
     "tests/test_shm.py::test_both_transports_in_flight_together",                # both transports
     "tests/test_matrix.py::test_case[all_reduce-SUM-float32-2-oneccl]",          # op x dtype, oneCCL
-    "tests/test_vs_gloo.py::test_same_as_gloo[world2-all_gather]",                # collectives vs gloo
+    "tests/test_vs_gloo.py::test_same_as_gloo[world2-shm-all_gather]",            # collectives vs gloo
     "tests/test_p2p.py::test_recv_matches_by_tag[ccl-staged]",                  # p2p
-    "tests/test_async.py::test_wait_timeout_raises_then_op_completes",          # async
-    "tests/test_errors.py::test_group_timeout_raises_instead_of_hanging",       # errors
+    "tests/test_async.py::test_wait_timeout_raises_then_op_completes[shm]",     # async
+    "tests/test_errors.py::test_group_timeout_raises_instead_of_hanging[shm]",  # errors
     "tests/test_training.py::test_ddp_matches_gloo",                            # DDP training
     "tests/test_launchers.py::test_torchrun_ddp_example",                       # torchrun
     "tests/test_launchers.py::test_mpirun_ddp_example",                         # mpirun
@@ -67,6 +69,66 @@ def pytest_configure(config):
         )
 
 
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
+def transport(request):
+    """"shm" or "oneccl": a test that takes it runs once on each transport of one host, with
+    env=TRANSPORTS[transport] for its ranks (harness.py). Module scope, so that a module's
+    shared fixtures (test_vs_gloo.py's reports) can run once per transport too."""
+    return request.param
+
+
+# The run's closing line counts tests by where their data went (pytest_terminal_summary).
+# "cma" (test_matrix.py) is the shared-memory transport reading peers' tensors directly.
+TRANSPORT_LINE = {"shm": "shared memory", "oneccl": "oneCCL on one host", "hosts": "oneCCL across hosts",
+                  None: "other (no transport named)"}
+_ID_WORDS = {"shm": "shm", "cma": "shm", "oneccl": "oneccl"}
+
+
+def _transport_of(item):
+    """"hosts" for a test on a fixture of hosts (two_hosts, ...: every group there is oneCCL's),
+    else "shm" / "oneccl" from its `transport`, an ONECCL_BIND_PT_SHM in its parameters, or
+    a word of its id; None when none says."""
+    if any("hosts" in name for name in getattr(item, "fixturenames", ())):
+        return "hosts"
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    if callspec.params.get("transport") in TRANSPORTS:
+        return callspec.params["transport"]
+    for value in callspec.params.values():
+        for env in (value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(env, dict) and "ONECCL_BIND_PT_SHM" in env:
+                return "oneccl" if env["ONECCL_BIND_PT_SHM"] == "0" else "shm"
+    words = {_ID_WORDS[w] for w in callspec.id.split("-") if w in _ID_WORDS}
+    return words.pop() if len(words) == 1 else None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    result = yield  # pytest's own sections first (-ra's list too): this line closes the summary
+    # Under xdist this runs in the controller, which has reports but no items: the transport
+    # travels on each report as a user property (pytest_collection_modifyitems).
+    counts = {}
+    for outcome in ("passed", "failed", "error", "skipped", "xfailed", "xpassed"):
+        seen = set()
+        for report in terminalreporter.stats.get(outcome, ()):
+            properties = getattr(report, "user_properties", None)
+            if properties is None or report.nodeid in seen:
+                continue  # a collection error has none; a test counts once per outcome
+            seen.add(report.nodeid)
+            where = dict(properties).get("transport")
+            counts.setdefault(where, dict.fromkeys(("passed", "failed", "skipped"), 0))
+            counts[where][outcome] = counts[where].get(outcome, 0) + 1
+    parts = []
+    for key, label in TRANSPORT_LINE.items():
+        if key is not None or key in counts:
+            got = counts.get(key, {"passed": 0, "failed": 0, "skipped": 0})
+            parts.append(f"{label}: " + ", ".join(f"{n} {outcome}" for outcome, n in got.items()))
+    if counts:
+        terminalreporter.write_line("per transport: " + "; ".join(parts))
+    return result
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="also run the long variants")
 
@@ -111,6 +173,9 @@ def pytest_collection_modifyitems(config, items):
     if _whole_suite(config) and not hasattr(config, "workerinput") and (stale := _stale_quick(items)):
         raise pytest.UsageError(f"conftest.py QUICK names tests that do not exist: {stale}")
     for item in items:
+        # Copied onto every report of the item, where the controller's summary reads it.
+        if where := _transport_of(item):
+            item.user_properties.append(("transport", where))
         if item.nodeid in QUICK:
             item.add_marker(pytest.mark.quick)
         seconds = LONG_FILES.get(item.path.name)

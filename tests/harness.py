@@ -16,8 +16,8 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -120,6 +120,30 @@ def await_announcement(name: str, timeout: float = 120) -> None:
         store.wait([f"harness/{name}"], datetime.timedelta(seconds=timeout))
     except Exception as e:  # noqa: BLE001 - the store's own timeout error names no event
         raise AssertionError(f"waited {timeout} s for another rank to announce {name!r}: {e}") from None
+
+
+# ---- transports -----------------------------------------------------------------------
+
+# The two ways a group of ranks on one host moves data: the package's shared memory (its
+# default there) and oneCCL (what every group across hosts uses). Transport-independent
+# tests take the `transport` fixture (conftest.py), which runs them once on each with the
+# same expected values; its ids, "shm" and "oneccl", are what the run's closing line counts.
+TRANSPORTS = {"shm": {"ONECCL_BIND_PT_SHM": "1"}, "oneccl": {"ONECCL_BIND_PT_SHM": "0"}}
+
+
+def expect_transport(group=None) -> None:
+    """Inside a rank: fails unless `group` (a process group or a ccl backend; the default
+    group) carries its collectives on the transport the test's environment asked for, so that
+    an "oneccl" case cannot pass on shared memory (or the reverse) unnoticed."""
+    import torch
+    import torch.distributed as dist
+
+    want = "oneccl" if os.environ.get("ONECCL_BIND_PT_SHM") == "0" else "shm"
+    pg = group or dist.distributed_c10d._get_default_group()
+    if not hasattr(pg, "_path"):
+        pg = pg._get_backend(torch.device("cpu"))
+    got = pg._path("allreduce", 4)
+    assert got == want, f"ONECCL_BIND_PT_SHM={os.environ.get('ONECCL_BIND_PT_SHM')!r}: a 4-byte allreduce takes {got}"
 
 
 # ---- processes ------------------------------------------------------------------------
@@ -225,41 +249,15 @@ def run_job(cmd, cwd, env, timeout=180):
 
 # ---- ports --------------------------------------------------------------------------------
 
-_PORT_LOCKS = Path(tempfile.gettempdir()) / "oneccl_bind_pt-test-ports"
-_held: dict[int, filelock.FileLock] = {}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import ports  # noqa: E402
 
 
 def free_port() -> int:
     """A TCP port for a job's rendezvous (MASTER_PORT, a torchrun endpoint) that no other
-    caller gets while this test run lasts.
-
-    Binding port 0 and closing races: the kernel may hand the same port to anyone
-    before the job binds it. Instead ports come from below the kernel's ephemeral range
-    (which it never picks on its own), each held by a file lock for the life of this
-    pytest process, so concurrent test runs on the machine skip it; one that is bound
-    already (another program) is skipped too.
-    """
-    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    if not _PORT_LOCKS.exists():
-        _PORT_LOCKS.mkdir(exist_ok=True)
-        os.chmod(_PORT_LOCKS, 0o1777)  # shared by every user's test runs, like /tmp
-    for port in range(max(1024, low - 12_000) + os.getpid() % 7_000, low):
-        if port in _held:
-            continue
-        lock = filelock.FileLock(_PORT_LOCKS / f"{port}.lock", timeout=0)
-        try:
-            lock.acquire()
-        except filelock.Timeout:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                lock.release()
-                continue
-        _held[port] = lock
-        return port
-    raise AssertionError(f"no free port below {low}")
+    caller gets while this test run lasts: from scripts/ports.py, which the scripts that start
+    jobs use too, so a test and a script running beside it never share one (it says how)."""
+    return ports.free_port()
 
 
 def _entry(fn, rank, world, store_path, results, args, env, pg_timeout, backend):
@@ -283,8 +281,11 @@ def _entry(fn, rank, world, store_path, results, args, env, pg_timeout, backend)
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
         value = fn(rank, world, *args)
+        # Teardown is part of the case: a destroy that raises must fail it, so the result is
+        # reported only after it (a test that already destroyed the group skips this).
+        if dist.is_initialized():
+            dist.destroy_process_group()
         results.put((rank, True, value))
-        dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, False, traceback.format_exc()))
 

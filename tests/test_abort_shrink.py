@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from harness import announce, await_announcement, communicate, free_port, popen, require, run_job, run_ranks
 from test_launchers import ROOT
-from test_reliability import two_hosts  # noqa: F401  the fixture
+from test_two_hosts import two_hosts  # noqa: F401  the fixture
 
 # torch 2.10 added shrink_group (and Backend::shrink); on 2.9 there is nothing to call.
 needs_shrink = pytest.mark.skipif(not hasattr(dist, "shrink_group"),

@@ -1,4 +1,5 @@
-"""Asynchronous work, futures, timeouts of wait(), subgroups and interleaved groups."""
+"""Asynchronous work, futures, timeouts of wait(), subgroups and interleaved groups, on both
+transports of one host (the `transport` fixture: shared memory and oneCCL)."""
 
 import datetime
 import time
@@ -6,10 +7,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness import all_gather_single, announce, await_announcement, run_ranks
+from harness import TRANSPORTS, all_gather_single, announce, await_announcement, expect_transport, run_ranks
 
 
 def _async_forms(rank, world):
+    expect_transport()
     expect = world * (world + 1) / 2
     t = torch.full((8,), float(rank + 1))
     work = dist.all_reduce(t, async_op=True)
@@ -49,12 +51,13 @@ def _async_forms(rank, world):
     return True
 
 
-def test_async_forms():
-    assert all(run_ranks(_async_forms, 2))
-    assert all(run_ranks(_async_forms, 3))
+def test_async_forms(transport):
+    assert all(run_ranks(_async_forms, 2, env=TRANSPORTS[transport]))
+    assert all(run_ranks(_async_forms, 3, env=TRANSPORTS[transport]))
 
 
 def _wait_timeout(rank, world):
+    expect_transport()
     t = torch.full((4,), float(rank + 1))
     if rank == 1:
         await_announcement("wait(timeout) raised")  # joins only after the peer's wait expired
@@ -80,14 +83,17 @@ def _wait_timeout(rank, world):
     return True
 
 
-def test_wait_timeout_raises_then_op_completes():
-    assert all(run_ranks(_wait_timeout, 2))
+def test_wait_timeout_raises_then_op_completes(transport):
+    assert all(run_ranks(_wait_timeout, 2, env=TRANSPORTS[transport]))
 
 
 def _subgroups(rank, world):
     # world 3: {0, 1} and {1, 2} overlap on rank 1; rank 2 is outside {0, 1}.
     g01 = dist.new_group([0, 1])
     g12 = dist.new_group([1, 2])
+    for g in (g01, g12):
+        if rank in dist.get_process_group_ranks(g):
+            expect_transport(g)
     if rank in (0, 1):
         t = torch.full((2,), float(rank + 1))
         dist.all_reduce(t, group=g01)
@@ -110,13 +116,14 @@ def _subgroups(rank, world):
     return True
 
 
-def test_subgroups():
-    assert all(run_ranks(_subgroups, 3))
+def test_subgroups(transport):
+    assert all(run_ranks(_subgroups, 3, env=TRANSPORTS[transport]))
 
 
 def _interleaved_groups(rank, world):
     a = dist.new_group(list(range(world)))
     b = dist.new_group(list(range(world)))
+    expect_transport(b)
     for i in range(20):
         x = torch.full((32,), float(rank + i))
         y = torch.full((1024,), float(2 * rank + i))
@@ -130,9 +137,9 @@ def _interleaved_groups(rank, world):
     return True
 
 
-def test_two_groups_interleaved():
-    assert all(run_ranks(_interleaved_groups, 2))
-    assert all(run_ranks(_interleaved_groups, 4))
+def test_two_groups_interleaved(transport):
+    assert all(run_ranks(_interleaved_groups, 2, env=TRANSPORTS[transport]))
+    assert all(run_ranks(_interleaved_groups, 4, env=TRANSPORTS[transport]))
 
 
 def _direct_backend(rank, world):
@@ -140,17 +147,19 @@ def _direct_backend(rank, world):
     store = dist.PrefixStore("direct/", dist.distributed_c10d._get_default_store())
     pg = dist.ProcessGroupCCL(store, rank, world, datetime.timedelta(seconds=30))
     assert pg.name() == "ccl", pg.name()
+    expect_transport(pg)
     t = torch.full((3,), float(rank + 1))
     pg.allreduce([t]).wait()
     assert t.tolist() == [world * (world + 1) / 2] * 3
     return True
 
 
-def test_construct_backend_directly():
-    assert all(run_ranks(_direct_backend, 2))
+def test_construct_backend_directly(transport):
+    assert all(run_ranks(_direct_backend, 2, env=TRANSPORTS[transport]))
 
 
 def _deprecated_names(rank, world):
+    expect_transport()
     # torch 2.13 renamed these; code written for older torch keeps calling them.
     import warnings
 
@@ -166,8 +175,8 @@ def _deprecated_names(rank, world):
     return True
 
 
-def test_deprecated_collective_names():
-    assert all(run_ranks(_deprecated_names, 2))
+def test_deprecated_collective_names(transport):
+    assert all(run_ranks(_deprecated_names, 2, env=TRANSPORTS[transport]))
 
 
 # The list-coalesced forms (all_gather_coalesced, all_reduce_coalesced) are

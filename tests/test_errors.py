@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from harness import all_gather_single, announce, await_announcement, reduce_scatter_single, run_ranks
+from harness import (TRANSPORTS, all_gather_single, announce, await_announcement, expect_transport,
+                     reduce_scatter_single, run_ranks)
 from matrix import expect_error
 
 
@@ -152,6 +153,7 @@ def test_bad_input_raises_and_group_survives(world):
 # Upper bounds on a timeout's wait leave room for a loaded machine: they tell
 # "raised at the timeout" from "hung until the peer left", who stays until then.
 def _collective_times_out(rank, world):
+    expect_transport()
     t = torch.ones(4)
     if rank == 1:
         await_announcement("rank 0 done")  # never joins the first all_reduce
@@ -179,8 +181,8 @@ def _collective_times_out(rank, world):
         announce("rank 0 done")
 
 
-def test_group_timeout_raises_instead_of_hanging():
-    assert run_ranks(_collective_times_out, 2, pg_timeout=3) == ["timed out", "absent"]
+def test_group_timeout_raises_instead_of_hanging(transport):
+    assert run_ranks(_collective_times_out, 2, pg_timeout=3, env=TRANSPORTS[transport]) == ["timed out", "absent"]
 
 
 def _mismatched(rank, world, case):
@@ -208,11 +210,10 @@ def _mismatched(rank, world, case):
 # Over oneCCL (across hosts, or ONECCL_BIND_PT_SHM=0) a message larger than the receive it
 # met made libfabric's cross-memory-attach copy loop for good: one rank never came back.
 # On shared memory every rank raises the mismatch at once.
-@pytest.mark.parametrize("shm", ["1", "0"], ids=["shm", "oneccl"])
 @pytest.mark.parametrize("case", ["sizes", "skipped"])
-def test_mismatched_collectives_come_back_within_the_timeout(case, shm):
-    outcomes = run_ranks(_mismatched, 2, case, pg_timeout=3, timeout=60, env={"ONECCL_BIND_PT_SHM": shm})
-    if shm == "1":
+def test_mismatched_collectives_come_back_within_the_timeout(case, transport):
+    outcomes = run_ranks(_mismatched, 2, case, pg_timeout=3, timeout=60, env=TRANSPORTS[transport])
+    if transport == "shm":
         assert outcomes == ["mismatch", "mismatch"]
     else:  # oneCCL cannot compare the ranks' calls; rank 0's op cannot complete
         assert outcomes[0] == "timed out", outcomes
@@ -263,9 +264,8 @@ def _outlives_rank_0(rank, world):
 # Rank 0 hosts oneCCL's key-value store; the survivor's teardown must not need it
 # (oneCCL throws from a destructor there and aborts the process). The harness fails
 # a rank that returns its result and then dies.
-@pytest.mark.parametrize("shm", ["1", "0"], ids=["shm", "oneccl"])
-def test_survivor_destroys_its_group_after_rank_0_exited(shm):
-    assert run_ranks(_outlives_rank_0, 2, pg_timeout=2, env={"ONECCL_BIND_PT_SHM": shm}) == ["timed out", "outlived"]
+def test_survivor_destroys_its_group_after_rank_0_exited(transport):
+    assert run_ranks(_outlives_rank_0, 2, pg_timeout=2, env=TRANSPORTS[transport]) == ["timed out", "outlived"]
 
 
 def _dense_layouts(rank, world):

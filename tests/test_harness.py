@@ -1,5 +1,6 @@
 """The helpers the other tests lean on do what they promise: a capability that cannot be set
-up fails under CI=true, a wait names what it waited for, and no two runs share a port."""
+up fails under CI=true, a wait names what it waited for, no two runs share a port, and a rank
+whose teardown fails fails its case."""
 
 import os
 import subprocess
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import communicate, free_port, popen, wait_for
+from harness import RankFailure, communicate, free_port, popen, run_ranks, wait_for
 
 HERE = Path(__file__).resolve().parent
 
@@ -58,3 +59,23 @@ def test_free_ports_are_never_shared_between_runs():
         communicate(procs, 60)  # closes their stdin: they exit
     assert all(len(t) == 20 for t in theirs), theirs
     assert not (theirs[0] & theirs[1]) and not (mine & (theirs[0] | theirs[1])), (mine, theirs)
+
+
+def _teardown_breaks(rank, world):
+    import torch.distributed as dist
+
+    real = dist.destroy_process_group
+
+    def destroy(*args, **kwargs):
+        real(*args, **kwargs)
+        raise RuntimeError(f"rank {rank}: teardown broke on purpose")
+
+    # The harness destroys the group after the function returns: that call must count.
+    dist.destroy_process_group = destroy
+    return "returned"
+
+
+def test_a_teardown_that_raises_fails_the_case():
+    with pytest.raises(RankFailure, match="teardown broke on purpose") as caught:
+        run_ranks(_teardown_breaks, 2, timeout=60)
+    assert "rank 0 raised" in str(caught.value) and "rank 1 raised" in str(caught.value), caught.value

@@ -3,7 +3,8 @@
 Results equal to the oneCCL path (same backend, switch off) at sizes that
 cross its chunk boundaries; both transports in flight at once; mismatched
 calls refused on every rank; nothing left in /dev/shm whatever ends a rank;
-no other user can open a segment; groups created and destroyed in a loop.
+no other user can open a segment; groups created and destroyed in a loop. Large
+messages against values known in advance, on both transports (the `transport` fixture).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from oneccl_bind_pt.bench import oneccl_group as _oneccl_group
 
-from harness import Lines, popen, require, run_ranks
+from harness import TRANSPORTS, Lines, expect_transport, popen, require, run_ranks
 from test_launchers import ROOT, free_port
 
 NO_SHM = {"ONECCL_BIND_PT_SHM": "0"}
@@ -83,6 +84,27 @@ def _crossover(rank, world):
 def test_crossover_setting():
     for small, large, value in run_ranks(_crossover, 2, env={"ONECCL_BIND_PT_SHM_MAX_BYTES": "8K"}):
         assert (small, large, value) == ("shm", "oneccl", 3.0)
+
+
+def _alltoall(rank, world):
+    n = 1 << 20  # 4 MiB of float32 per rank
+    out = torch.empty(n)
+    dist.all_to_all_single(out, torch.arange(n, dtype=torch.float32) + rank * n)
+    share = n // world
+    want = torch.cat([torch.arange(rank * share, (rank + 1) * share, dtype=torch.float32) + r * n for r in range(world)])
+    return _backend()._path("alltoall", 1 << 20), _backend()._path("alltoall", 4 << 20), torch.equal(out, want)
+
+
+@pytest.mark.parametrize("atl_shm", [None, "1"])
+def test_alltoall_route(atl_shm, monkeypatch):
+    # The one default crossover (src/route.cpp): all-to-all above 1 MiB per rank goes to
+    # oneCCL only when oneCCL has its own shared memory (CCL_ATL_SHM=1); on one host the
+    # package sets 0 (None: left to it), and shared memory keeps every size.
+    monkeypatch.delenv("CCL_ATL_SHM", raising=False)
+    env = {"CCL_ATL_SHM": atl_shm} if atl_shm else {}
+    above = "oneccl" if atl_shm else "shm"
+    for got in run_ranks(_alltoall, 2, env=env):
+        assert got == ("shm", above, True), got
 
 
 # Sizes around the 2 MiB staging buffer and its chunks, odd so that slices and
@@ -155,6 +177,41 @@ def test_shm_and_oneccl_paths_agree_across_chunk_boundaries(world, single_copy):
     # mid-line too), or with single copy off everything moves through the staging buffers.
     env = SINGLE_COPY[single_copy]
     for rank, problems in enumerate(run_ranks(_same_on_both_paths, world, timeout=600, env=env)):
+        assert not problems, f"rank {rank}: {problems}"
+
+
+def _large_closed_form(rank, world):
+    # Rank r holds j + r at index j: sums of `world` ranks stay below 2**24, exact in float32,
+    # and every element differs from its neighbours, so a misplaced chunk shows.
+    expect_transport()
+    n = (1 << 24) // world - 5  # 32 MiB of float32 on 2 ranks, 21 MiB on 3, an odd tail
+    k = n // world
+    j = torch.arange(n, dtype=torch.float32)
+    problems = []
+
+    def check(name, got, want):
+        if not torch.equal(got, want):
+            wrong = (got != want).nonzero().flatten()
+            problems.append(f"{name}: {len(wrong)} of {want.numel()} elements wrong, the first at {wrong[0].item()}")
+
+    t = j + rank
+    dist.all_reduce(t)
+    check(f"all_reduce {n}", t, j * world + sum(range(world)))
+    by_rank = torch.arange(world, dtype=torch.float32).view(world, 1)
+    out = torch.empty(world * k)
+    dist.all_gather_into_tensor(out, j[:k] + rank)
+    check(f"all_gather_into_tensor {k} per rank", out, (j[:k] + by_rank).flatten())
+    share = torch.empty(k)
+    dist.reduce_scatter_tensor(share, j[: world * k] + rank)
+    check(f"reduce_scatter_tensor {k} per rank", share, j[rank * k:(rank + 1) * k] * world + sum(range(world)))
+    return problems
+
+
+# Above, shared memory is judged by its agreement with oneCCL; this checks both against
+# values known in advance, at sizes far above the 2 MiB staging buffer and single copy's band.
+@pytest.mark.parametrize("world", [2, 3])
+def test_large_messages_match_closed_form(world, transport):
+    for rank, problems in enumerate(run_ranks(_large_closed_form, world, env=TRANSPORTS[transport])):
         assert not problems, f"rank {rank}: {problems}"
 
 

@@ -4,7 +4,8 @@ Expected values here come from gloo, not from our reading of the API: every
 scenario runs once on a gloo group and once on the ccl group, in the same
 processes, and the results (tensors, the values Futures carry, objects) must
 be equal. A layout misread on both sides of a hand-written test (as
-all_gather_coalesced's once was) cannot pass this way.
+all_gather_coalesced's once was) cannot pass this way. The ccl side runs on both
+transports of one host (the `transport` fixture), against the same gloo results.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from harness import run_ranks
+from harness import TRANSPORTS, expect_transport, run_ranks
 
 SCENARIOS = {}
 
@@ -270,6 +271,7 @@ def _equal(a, b, where=""):
 
 
 def _compare_all(rank, world):
+    expect_transport()
     gloo = dist.new_group(backend="gloo")
     report = {}
     for name, fn in SCENARIOS.items():
@@ -288,8 +290,8 @@ def _compare_all(rank, world):
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
-def reports(request):
-    return request.param, run_ranks(_compare_all, request.param, timeout=300)
+def reports(request, transport):
+    return request.param, run_ranks(_compare_all, request.param, timeout=300, env=TRANSPORTS[transport])
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

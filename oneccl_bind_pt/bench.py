@@ -6,17 +6,37 @@
     torchrun --nproc_per_node 2 -m oneccl_bind_pt.bench
     mpirun -n 2 python -m oneccl_bind_pt.bench --json out.json --plot out.png
 
-For every op, dtype and message size these run interleaved in the same
-processes: `ccl` (torch.distributed calls on the ccl group, what users get:
-on one host, the shared-memory transport up to its crossover), `pg` (the
-ccl backend's own methods, skipping torch.distributed's Python layer),
-`oneccl` (torch.distributed calls on a second ccl group created with
-ONECCL_BIND_PT_SHM=0: every collective through oneCCL), `gloo` (the
-torch.distributed calls on a gloo group) and `raw` (the same oneCCL call on
-the ccl group's communicator from C++, with no Work, Future or Python around
-it); `copy` is no collective but the bound on one host: one plain copy of the
-same bytes on every rank at once. pg -> ccl is torch.distributed's own cost. oneCCL runs with its own
-shared-memory transport (CCL_ATL_SHM=1), its fastest setting on one host.
+Columns (--backends), and the environment each one runs in:
+
+  ccl       torch.distributed calls on the default ccl group, with no variable set by
+            the benchmark: what users get (the package's own routing and oneCCL
+            defaults; on one host, the shared-memory transport up to its crossover).
+  pg        the ccl backend's own methods on that group, skipping torch.distributed's
+            Python layer (pg -> ccl is torch.distributed's own cost).
+  gloo      the same torch.distributed calls on a gloo group.
+  copy      no collective but the bound on one host: one plain copy of the same bytes
+            on every rank at once, one thread per rank as in a collective.
+  staged    a ccl group created with ONECCL_BIND_PT_SHM_SINGLE_COPY=0 (shared memory,
+            never single copy).
+  single    a ccl group created with ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES=0 (single
+            copy at every size).
+  oneccl    the default ccl group of ranks started with ONECCL_BIND_PT_SHM=0: every
+            collective through oneCCL, with the defaults the package sets for that
+            (oneCCL's shared memory, CCL_ATL_SHM=1; no oneCCL worker thread).
+  raw       the same oneCCL call on the oneccl column's communicator, from C++, with
+            no Work, Future or Python around it.
+  oneccl+w  as oneccl, plus oneCCL worker threads: CCL_WORKER_COUNT=N with
+            N = min(4, cores per rank - 1), at least 1, and CCL_WORKER_AFFINITY on the
+            last N cores of each rank's block of cores; when a block has 2 cores or
+            more each rank's own threads are pinned to the rest of its block.
+
+A variable oneCCL reads once per process (CCL_*, and ONECCL_BIND_PT_SHM through the
+defaults it selects) needs processes of its own: without a launcher the benchmark spawns
+one set of ranks per environment (ccl, pg, gloo, copy, staged, single together; oneccl
+and raw; oneccl+w), one set after another. Columns of one set run interleaved in the same
+processes; compare across sets with that in mind. Under a launcher (torchrun, mpirun)
+the ranks are the launcher's, in its environment: the columns that need another one are
+left out, with a note.
 
 Reported per point: median and p90 time of one call (the slowest rank's time
 for each iteration), algorithm bandwidth (bytes / time) and bus bandwidth
@@ -24,7 +44,8 @@ for each iteration), algorithm bandwidth (bytes / time) and bus bandwidth
 and alltoall (n-1)/n; broadcast and sendrecv 1), and whether each backend's
 result was right. Bytes are the larger buffer of a call: allgather's output,
 reduce_scatter's input. sendrecv is a ping-pong between ranks 0 and 1; its
-time is half a round trip.
+time is half a round trip. --json records each column's environment and the
+oneCCL defaults the package applied in each set of processes.
 """
 
 from __future__ import annotations
@@ -40,21 +61,46 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
 OPS = ["allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "sendrecv"]
-BACKENDS = ["ccl", "pg", "oneccl", "gloo", "raw", "copy", "staged", "single"]
-DEFAULT_BACKENDS = ["ccl", "pg", "oneccl", "gloo", "raw", "copy"]
 # ccl groups made with one setting of the shared-memory transport changed (the setting is
-# read when a group is created), called through torch.distributed like `ccl`.
+# read when a group is created). bench_ddp uses "oneccl" for a group in its own processes.
 GROUP_ENV = {
     "oneccl": {"ONECCL_BIND_PT_SHM": "0"},                       # every collective through oneCCL
     "staged": {"ONECCL_BIND_PT_SHM_SINGLE_COPY": "0"},           # shared memory, never single copy
     "single": {"ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES": "0"},     # shared memory, single copy at every size
 }
+WORKERS = "oneccl+w"
+# Variables that change what a column measures, recorded when the user had set them.
+USER_ENV_PREFIXES = ("CCL_", "FI_", "ONECCL_BIND_PT_", "I_MPI_", "OMP_", "KMP_", "GLIBC_TUNABLES")
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column: `env` is set for its ranks' whole processes (oneCCL reads its variables
+    once per process), `group_env` only while its group is created."""
+
+    env: dict = field(default_factory=dict)
+    group_env: dict = field(default_factory=dict)
+
+
+COLUMNS = {
+    "ccl": Column(),
+    "pg": Column(),
+    "oneccl": Column(env=GROUP_ENV["oneccl"]),
+    WORKERS: Column(env=GROUP_ENV["oneccl"]),  # + the worker variables, per host (worker_layout)
+    "gloo": Column(),
+    "raw": Column(env=GROUP_ENV["oneccl"]),
+    "copy": Column(),
+    "staged": Column(group_env=GROUP_ENV["staged"]),
+    "single": Column(group_env=GROUP_ENV["single"]),
+}
+BACKENDS = list(COLUMNS)
+DEFAULT_BACKENDS = ["ccl", "pg", "oneccl", WORKERS, "gloo", "raw", "copy"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRESETS = {
     # The comparison the README quotes: a few sizes, every op, under 3 minutes.
@@ -129,7 +175,8 @@ class Case:
             return self._backend_call()
         if backend == "copy":
             # The bound for moving these bytes on this host: one plain copy per rank,
-            # all ranks copying at once, as in the collective.
+            # all ranks copying at once, as in the collective. Run it under
+            # one_intra_op_thread(): see there.
             src, dst = self.copy_buffers
             return lambda: dst.copy_(src)
         g = self.groups[backend]
@@ -186,7 +233,8 @@ class Case:
             src, dst = self.copy_buffers
             src.copy_(torch.arange(src.numel()) % 251 + r)
             dst.zero_()
-            self.call(backend)()
+            with one_intra_op_thread():
+                self.call(backend)()
             return torch.equal(dst, src)
         self.inp.copy_(torch.arange(self.inp.numel()) % 7 + r)
         self.out.zero_()
@@ -225,16 +273,35 @@ def _raw(group, op, inp, out, iters):
     return _C._time_raw_oneccl(backend, op, inp, out, iters)
 
 
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """torch's intra-op pool at one thread, for the `copy` baseline.
+
+    A copy_ of more than 32 Ki elements is split over torch's thread pool, by default
+    as many threads as the host has cores, in every rank: N ranks then run N x cores
+    threads at once, and the pool's waiting threads spin. A region ends only when its
+    last thread has run, so a copy of 64 KiB took milliseconds (17.6 ms on 16 cores
+    with 2 ranks). A collective moves its bytes in one thread per rank: so does the
+    baseline."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def time_calls(case, backend, iters):
     call = case.call(backend)
     if backend == "raw":
         return list(call(iters))
     times = []
     clock = time.perf_counter
-    for _ in range(iters):
-        start = clock()
-        call()
-        times.append(clock() - start)
+    with one_intra_op_thread() if backend == "copy" else contextlib.nullcontext():
+        for _ in range(iters):
+            start = clock()
+            call()
+            times.append(clock() - start)
     return times
 
 
@@ -277,12 +344,13 @@ def oneccl_group(world):
     return group_with(world, GROUP_ENV["oneccl"])
 
 
-def group_with(world, env):
-    """A ccl group created with `env` set (GROUP_ENV)."""
+@contextlib.contextmanager
+def environment(env):
+    """os.environ with `env` set, restored after."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return dist.new_group(list(range(world)))
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
@@ -291,12 +359,61 @@ def group_with(world, env):
                 os.environ[k] = v
 
 
-def benchmark(args, rank, world):
-    gloo_group = dist.new_group(backend="gloo")
-    backends = [b for b in args.backends if b in BACKENDS]
-    groups = {"ccl": dist.group.WORLD, "gloo": gloo_group}
+def group_with(world, env):
+    """A ccl group created with `env` set (GROUP_ENV)."""
+    with environment(env):
+        return dist.new_group(list(range(world)))
+
+
+def worker_layout(nprocs, cores):
+    """oneccl+w on this host: (workers per rank, CCL_WORKER_AFFINITY's cores, each rank's own
+    cores or None).
+
+    Each rank owns a block of len(cores) // nprocs cores; its workers take the block's last
+    ones, so a worker's busy-polling never lands on a core a rank computes on. The list
+    covers every local rank's workers: oneCCL picks its slice by local rank."""
+    per_rank = len(cores) // nprocs
+    count = max(1, min(4, per_rank - 1))
+    if per_rank >= 2:
+        blocks = [cores[r * per_rank:(r + 1) * per_rank] for r in range(nprocs)]
+        return count, [c for blk in blocks for c in blk[-count:]], [blk[:-count] for blk in blocks]
+    # Under 2 cores per rank a worker shares a core with some rank's threads whatever we
+    # pin: give each its own core where there are enough and leave the ranks to the scheduler.
+    return count, [cores[r % len(cores)] for r in range(nprocs) for _ in range(count)], None
+
+
+def column_env(name, nprocs, cores):
+    """The variables a column's processes are started with (COLUMNS, + the workers')."""
+    env = dict(COLUMNS[name].env)
+    if name == WORKERS:
+        count, affinity, _ = worker_layout(nprocs, cores)
+        env.update(CCL_WORKER_COUNT=str(count), CCL_WORKER_AFFINITY=",".join(map(str, affinity)))
+    return env
+
+
+def process_sets(backends, nprocs, cores):
+    """The columns grouped by the environment their processes need: [(env, columns)]."""
+    sets = {}
+    for b in backends:
+        sets.setdefault(tuple(sorted(column_env(b, nprocs, cores).items())), []).append(b)
+    return [(dict(env), columns) for env, columns in sets.items()]
+
+
+def make_groups(world, backends):
+    """The group each column calls. In this set of processes the default group is the one
+    `ccl`, `oneccl` and `oneccl+w` mean (their differences are the processes' environment)."""
+    groups = {b: dist.group.WORLD for b in ("ccl", "oneccl", WORKERS)}
+    groups["gloo"] = dist.new_group(backend="gloo")
     # In the same order on every rank (new_group is collective), only those asked for.
-    groups.update({b: group_with(world, env) for b, env in GROUP_ENV.items() if b in backends})
+    groups.update({b: group_with(world, COLUMNS[b].group_env)
+                   for b in BACKENDS if COLUMNS[b].group_env and b in backends})
+    return groups
+
+
+def benchmark(args, rank, world):
+    backends = [b for b in args.backends if b in BACKENDS]
+    groups = make_groups(world, backends)
+    gloo_group = groups["gloo"]
     points = [
         (op, dt, size)
         for op in args.ops
@@ -304,7 +421,7 @@ def benchmark(args, rank, world):
         for size in args.sizes
         if not (op == "sendrecv" and world < 2)
     ]
-    progress = _progress(len(points)) if rank == 0 and not args.quiet else None
+    progress = _progress(len(points), " ".join(backends)) if rank == 0 and not args.quiet else None
     results = []
     for op, dt, size in points:
         case = Case(op, DTYPES[dt], size, rank, world, groups)
@@ -322,36 +439,46 @@ def benchmark(args, rank, world):
     return results
 
 
-def _progress(total):
+def _progress(total, what):
     try:
         from rich.progress import Progress
     except ImportError:
         return None
     p = Progress(transient=True)
-    p.add_task("benchmarking", total=total)
+    p.add_task(f"benchmarking {what}", total=total)
     p.start()
     return p
 
 
-def report(results, world, args):
+def _env_text(env):
+    return " ".join(f"{k}={v}" for k, v in env.items()) or "none"
+
+
+def report(results, world, args, sets):
+    """The table, after one line per set of processes saying what ran in which environment."""
+    for i, st in enumerate(sets, 1):
+        pinned = f"; ranks pinned to {st['pinned']}" if st.get("pinned") else ""
+        print(f"processes {i}/{len(sets)}: {', '.join(st['columns'])}; set by the benchmark: {_env_text(st['env'])}; "
+              f"the package's defaults there: {_env_text(st['defaults'])}{pinned}", flush=True)
+    backends = [b for b in args.backends if any(p.backend == b for p in results)]
     rows = {}
     for p in results:
         rows.setdefault((p.op, p.dtype, p.bytes), {})[p.backend] = p
     header = ["op", "dtype", "bytes"]
-    for b in args.backends:
+    for b in backends:
         header += [f"{b} med us", f"{b} p90 us"]
-    header += ["ccl busbw GB/s", "gloo/ccl", "oneccl/ccl", "ccl/raw", "ccl-raw us", "pg/raw", "pg-raw us",
-               "correct"]
+    header += ["ccl busbw GB/s", "gloo/ccl", "oneccl/ccl", f"{WORKERS}/ccl", "ccl/raw", "ccl-raw us", "pg/raw",
+               "pg-raw us", "correct"]
     lines = []
     for (op, dt, nbytes), by in rows.items():
         row = [op, dt, human_bytes(nbytes)]
-        for b in args.backends:
-            row += [f"{by[b].median_us:,.1f}", f"{by[b].p90_us:,.1f}"]
+        for b in backends:
+            row += [f"{by[b].median_us:,.1f}", f"{by[b].p90_us:,.1f}"] if b in by else ["-", "-"]
         ccl, gloo, raw = by.get("ccl"), by.get("gloo"), by.get("raw")
         row.append(f"{ccl.busbw_GBps:.2f}" if ccl else "-")
         row.append(f"{gloo.median_us / ccl.median_us:.1f}x" if ccl and gloo else "-")
-        oneccl = by.get("oneccl")
-        row.append(f"{oneccl.median_us / ccl.median_us:.2f}x" if ccl and oneccl else "-")
+        for other in (by.get("oneccl"), by.get(WORKERS)):
+            row.append(f"{other.median_us / ccl.median_us:.2f}x" if ccl and other else "-")
         for mine in (ccl, by.get("pg")):
             row.append(f"{mine.median_us / raw.median_us:.2f}" if mine and raw else "-")
             row.append(f"{mine.median_us - raw.median_us:+.1f}" if mine and raw else "-")
@@ -371,7 +498,7 @@ def print_table(title, header, lines):
             table.add_column(h, justify="left" if h in ("op", "dtype", "backend", "fault") else "right")
         for row in lines:
             table.add_row(*row)
-        console = Console(width=320)
+        console = Console(width=480)
         console.print(title)  # as a table title, rich would wrap it to a narrow table's width
         console.print(table)
     except ImportError:
@@ -413,17 +540,85 @@ def plot(results, path):
     fig.savefig(path, dpi=110)
 
 
-def run(rank, world, args):
+def finish(results, world, args, sets, skipped):
+    """Rank 0's (or the spawning process's) output: the table, --json, --plot."""
+    if skipped:
+        print(f"left out under a launcher (they need processes started with other variables; run without one): "
+              f"{', '.join(skipped)}", flush=True)
+    report(results, world, args, sets)
+    if args.json:
+        columns = {b: {"env": st["env"], "group_env": COLUMNS[b].group_env, "processes": i}
+                   for i, st in enumerate(sets) for b in st["columns"]}
+        with open(args.json, "w") as f:
+            json.dump({"world": world, "cpus": os.cpu_count(), "memory_hog": args.memory_hog,
+                       "inherited_env": args.inherited_env, "columns": columns, "processes": sets,
+                       "skipped": skipped, "points": [asdict(p) for p in results]}, f, indent=1)
+    if args.plot:
+        plot(results, args.plot)
+
+
+def _defaults_applied():
+    from oneccl_bind_pt import _env
+
+    return dict(sorted(_env.applied.items()))
+
+
+def _set_rank(rank, world, store_path, args, pin, out):
+    """One rank of one set of processes (spawned with the set's environment)."""
+    if pin:
+        os.sched_setaffinity(0, pin[rank])  # before the group exists: threads started later inherit it
+    import oneccl_bind_pt  # noqa: F401
+
+    dist.init_process_group("ccl", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
     results = benchmark(args, rank, world)
     if rank == 0:
-        report(results, world, args)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"world": world, "cpus": os.cpu_count(), "memory_hog": args.memory_hog,
-                           "points": [asdict(p) for p in results]}, f, indent=1)
-        if args.plot:
-            plot(results, args.plot)
-    return results
+        with open(out, "w") as f:
+            json.dump({"points": [asdict(p) for p in results], "defaults": _defaults_applied()}, f)
+    dist.destroy_process_group()
+
+
+def spawn_sets(args):
+    """args.nprocs ranks here, one set of processes per environment (process_sets)."""
+    import torch.multiprocessing as mp
+
+    cores = sorted(os.sched_getaffinity(0))
+    results, sets = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (env, columns) in enumerate(process_sets(args.backends, args.nprocs, cores)):
+            pin = worker_layout(args.nprocs, cores)[2] if WORKERS in columns else None
+            out = os.path.join(tmp, f"set{i}.json")
+            start = time.monotonic()
+            with environment(env):  # spawned interpreters start with os.environ as it is now
+                mp.spawn(_set_rank, args=(args.nprocs, os.path.join(tmp, f"store{i}"),
+                                          argparse.Namespace(**{**vars(args), "backends": columns}), pin, out),
+                         nprocs=args.nprocs)
+            with open(out) as f:
+                got = json.load(f)
+            results += [Point(**p) for p in got["points"]]
+            sets.append({"env": env, "columns": columns, "defaults": got["defaults"], "pinned": pin,
+                         "seconds": round(time.monotonic() - start, 1)})
+    finish(results, args.nprocs, args, sets, [])
+    return 0
+
+
+def under_launcher(args):
+    """The launcher's ranks, in its environment: the columns that need no other."""
+    shm_off = os.environ.get("ONECCL_BIND_PT_SHM", "1").lower() in ("0", "off", "false")
+    workers = "CCL_WORKER_COUNT" in os.environ
+    here = [b for b in args.backends
+            if (COLUMNS[b].env.get("ONECCL_BIND_PT_SHM") == "0", b == WORKERS) == (shm_off, workers)]
+    skipped = [b for b in args.backends if b not in here]
+    dist.init_process_group("ccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start = time.monotonic()
+    results = benchmark(argparse.Namespace(**{**vars(args), "backends": here}), rank, world)
+    if rank == 0:
+        sets = [{"env": {}, "columns": here, "defaults": _defaults_applied(), "pinned": None,
+                 "seconds": round(time.monotonic() - start, 1)}]
+        finish(results, world, args, sets, skipped)
+    dist.destroy_process_group()
+    return 0
 
 
 def _spawned(rank, world, store_path, fn, args):
@@ -437,7 +632,8 @@ def _spawned(rank, world, store_path, fn, args):
 
 def launch(fn, args):
     """fn(rank, world, args) on every rank of a ccl default group: the launcher's ranks when
-    run under one (torchrun, mpirun, srun), else args.nprocs ranks spawned here."""
+    run under one (torchrun, mpirun, srun), else args.nprocs ranks spawned here. (bench_ddp's;
+    the collective benchmark spawns one set of processes per environment: spawn_sets.)"""
     # The baselines get oneCCL's fastest setting on one host (read at its first communicator).
     os.environ.setdefault("CCL_ATL_SHM", "1")
     import oneccl_bind_pt  # noqa: F401  (maps mpirun's variables too)
@@ -462,9 +658,11 @@ def parse_args(argv=None):
     p.add_argument("--min-bytes", default="4", help="smallest message (e.g. 4, 4K, 1M)")
     p.add_argument("--max-bytes", default="64M", help="largest message")
     p.add_argument("--factor", type=int, default=4, help="size step (2 or 4)")
+    p.add_argument("--sizes", help="comma-separated message sizes (e.g. 4K,64K,1M,16M,64M), instead of "
+                   "--min-bytes/--max-bytes/--factor")
     p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
-                   help="comma-separated: " + ", ".join(BACKENDS) + " (default: %(default)s; staged and single: "
-                   "the shared-memory transport with single copy off, and on at every size)")
+                   help="comma-separated columns: " + ", ".join(BACKENDS) + " (default: %(default)s; what each "
+                   "one is and the environment it runs in: above)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named selection of ops and sizes")
     p.add_argument("--seconds", type=float, default=0.2, help="time spent per backend per point")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds per point")
@@ -482,6 +680,8 @@ def parse_args(argv=None):
     if args.preset:
         preset = PRESETS[args.preset]
         args.ops, args.dtypes, args.sizes = preset["ops"], preset["dtypes"], preset["sizes"]
+    elif args.sizes:
+        args.sizes = [parse_bytes(t) for t in args.sizes.split(",")]
     else:
         size, args.sizes = parse_bytes(args.min_bytes), []
         while size <= parse_bytes(args.max_bytes):
@@ -533,8 +733,14 @@ def memory_hog(on):
 
 def main(argv=None):
     args = parse_args(argv)
+    # What the user set before anything here: the `ccl` column runs with exactly these.
+    args.inherited_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(USER_ENV_PREFIXES)}
+    import oneccl_bind_pt  # noqa: F401  (maps mpirun's variables: RANK, LOCAL_RANK, ...)
+
     with memory_hog(args.memory_hog):
-        return launch(run, args)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            return under_launcher(args)
+        return spawn_sets(args)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,28 @@ initial values) in DistributedDataParallel on its own group:
   is what communication costs a step.
 
 The configurations take turns step by step for --steps timed steps (after --warmup), so a
-slow phase of the machine falls on all of them. A step is zero_grad, forward, loss, backward
-(DDP all-reduces the buckets as their gradients are ready) and the optimizer step; its time is
-the slowest rank's. Every configuration sees the same batches, so at the end each one's
-parameters must be equal on every rank, and close to the others' (the sums' order differs).
+slow phase of the machine falls on all of them; `comm ms` is the median over steps of a
+configuration's step minus `local`'s in the same step. A step is zero_grad, forward, loss,
+backward (DDP all-reduces the buckets as their gradients are ready) and the optimizer step;
+its time is the slowest rank's.
+
+Correctness is checked against a reference computed without DDP: one float32 copy of the
+model that every rank trains alone on all ranks' rows (each rank can draw every rank's batch),
+the mean of the loss over them being what DDP's averaged gradients descend. Per configuration:
+
+- `grad err`: one more step (untimed, no optimizer step) on a fresh batch: the gradient DDP
+  left on the parameters against the reference's gradient on all ranks' rows from the same
+  parameters (relative L2 error, float32). This is the reduction itself; in bfloat16 DDP
+  reduces bfloat16 gradients, so only bf16's rounding separates the two.
+- `update err`: the parameters' change over the run against the reference's change
+  (relative L2 error). The learning rate (--lr; by default one that makes the reference's
+  first step move the parameters by LR_MOVE of their norm) is large enough that bfloat16
+  parameters move by many of their units in the last place: at a small rate updates round
+  away and the parameters never change, whatever the reduction did.
+- the parameters are equal on every rank.
+
+`local` trains on its rank's data alone: its errors are what a reduction that kept only the
+rank's own gradient would give, shown beside the others' so the tolerances can be judged.
 """
 
 from __future__ import annotations
@@ -39,8 +57,16 @@ from torch import nn
 from oneccl_bind_pt.bench import DTYPES, GROUP_ENV, check_choices, group_with, launch, print_table
 
 CONFIGS = ["ccl", "oneccl", "gloo", "local"]
-# Close, not equal, across configurations: each sums the ranks' gradients in its own order.
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+# Relative L2 error against the reference (module docstring). A wrong reduction is off by
+# about 1 (the sum instead of the mean, a zeroed gradient, one rank's gradient alone);
+# float32 agrees to 1e-6, bfloat16 to a few 1e-3 (gradient: its rounding) and about 1e-1
+# (update: its parameters round at every step).
+GRAD_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 5e-2}
+UPDATE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-1}
+# The default learning rate makes the reference's first step move the parameters by this
+# fraction of their norm: far above bfloat16's rounding (about 0.2% of a value), so its
+# parameters move, yet small enough that a few steps stay a gentle descent.
+LR_MOVE = 0.02
 
 
 def make_model(args, dtype):
@@ -51,42 +77,111 @@ def make_model(args, dtype):
     return nn.Sequential(*layers[:-1]).to(dtype)
 
 
+def batch(args, gen):
+    """A batch of inputs and targets, drawn from `gen`: (rows, 2 * width)."""
+    return torch.randn(args.batch, 2 * args.width, generator=gen)
+
+
+def loss(model, rows, dtype, compute):
+    """Mean squared error to the targets, the rows' halves rounded to `dtype` (what the model
+    sees) and computed in `compute`. Targets keep the gradients from vanishing as the model
+    learns, which would leave only bfloat16's rounding in them."""
+    x, y = rows.to(dtype).to(compute).chunk(2, dim=1)
+    return (model(x).float() - y.float()).square().mean()
+
+
+def _flat(tensors):
+    return torch.cat([t.detach().float().flatten() for t in tensors])
+
+
+def _rel_err(got, want):
+    return ((got - want).norm() / want.norm()).item()
+
+
+def _reference_grad(params, xs, dtype, args):
+    """The gradient one process computes in float32 on all ranks' rows `xs` from `params`."""
+    ref = make_model(args, torch.float32)
+    with torch.no_grad():
+        for r, p in zip(ref.parameters(), params):
+            r.copy_(p.float())
+    loss(ref, torch.cat(xs), dtype, torch.float32).backward()
+    return _flat(r.grad for r in ref.parameters())
+
+
 def train(args, rank, world, dtype, groups, control):
-    """Median and p90 ms per step (slowest rank) per configuration, and whether the parameters
-    agree across ranks and configurations."""
+    """Median and p90 ms per step (slowest rank) per configuration, and how its gradients and
+    updates compare with the reference (module docstring); and the learning rate."""
     ddp = {c: make_model(args, dtype) if g is None else
            nn.parallel.DistributedDataParallel(make_model(args, dtype), process_group=g) for c, g in groups.items()}
-    opt = {c: torch.optim.SGD(m.parameters(), lr=1e-3) for c, m in ddp.items()}
-    gen = torch.Generator().manual_seed(1 + rank)  # each rank its own shard of the data
+    start_params = {c: _flat(m.parameters()) for c, m in ddp.items()}
+    # The reference starts from the same values (rounded to `dtype`) and sees every rank's rows.
+    ref = make_model(args, dtype).float()
+    ref_start = _flat(ref.parameters())
+    gens = [torch.Generator().manual_seed(1 + r) for r in range(world)]  # rank r's shard of the data
+    lr = args.lr
+    if lr is None:
+        # Rank 0's rate for all: computed alike everywhere, but equal parameters need equal rates.
+        xs = [batch(args, torch.Generator().manual_seed(1 + r)) for r in range(world)]
+        g = _reference_grad(list(ref.parameters()), xs, dtype, args)
+        rate = torch.tensor([LR_MOVE * ref_start.norm().item() / g.norm().item()], dtype=torch.float64)
+        dist.broadcast(rate, 0, group=control)
+        lr = rate.item()
+    opt = {c: torch.optim.SGD(m.parameters(), lr=lr) for c, m in ddp.items()}
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     times = {c: [] for c in ddp}
     for step in range(args.warmup + args.steps):
-        x = torch.randn(args.batch, args.width, generator=gen).to(dtype)
+        xs = [batch(args, g) for g in gens]
+        x = xs[rank]
         for c, model in ddp.items():
             dist.barrier(group=control)  # every rank starts the step together
             start = time.perf_counter()
             opt[c].zero_grad(set_to_none=True)
-            model(x).float().square().mean().backward()
+            loss(model, x, dtype, dtype).backward()
             opt[c].step()
             if step >= args.warmup:
                 times[c].append(time.perf_counter() - start)
+        ref_opt.zero_grad(set_to_none=True)
+        loss(ref, torch.cat(xs), dtype, torch.float32).backward()
+        ref_opt.step()
+    ref_update = _flat(ref.parameters()) - ref_start
+    # The gradient check: one more step on a fresh batch, without the optimizer's step.
+    xs = [batch(args, g) for g in gens]
     summary = {}
+    for c, model in ddp.items():
+        model.zero_grad(set_to_none=True)
+        loss(model, xs[rank], dtype, dtype).backward()
+        params = list(model.parameters())
+        errors = torch.tensor([_rel_err(_flat(p.grad for p in params), _reference_grad(params, xs, dtype, args)),
+                               _rel_err(_flat(params) - start_params[c], ref_update)], dtype=torch.float64)
+        # The worst rank for what DDP trained; for `local` the least wrong, the bound a
+        # rank-own-gradient reduction would at least show.
+        dist.all_reduce(errors, op=dist.ReduceOp.MIN if groups[c] is None else dist.ReduceOp.MAX, group=control)
+        summary[c] = {"grad_error": errors[0].item(), "update_error": errors[1].item(),
+                      "moved": (_flat(params) != start_params[c]).double().mean().item()}
     for c, ts in times.items():
         slowest = torch.tensor(ts, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=control)
-        ms = sorted(slowest.mul(1e3).tolist())
-        summary[c] = {"median_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * (len(ms) - 1))], "steps": ms}
-    flat = {c: torch.cat([p.detach().float().flatten() for p in m.parameters()]) for c, m in ddp.items()
-            if groups[c] is not None}  # `local` trained on its rank's data alone
-    for c, params in flat.items():
+        times[c] = slowest.mul(1e3).tolist()  # step by step, as they took turns
+        ms = sorted(times[c])
+        summary[c].update(median_ms=statistics.median(ms), p90_ms=ms[int(0.9 * (len(ms) - 1))], steps=times[c])
+    for c in summary:
+        if "local" in times and c != "local":
+            # Paired by step: the configurations took turns, so a slow phase falls on both.
+            summary[c]["comm_ms"] = statistics.median(a - b for a, b in zip(times[c], times["local"]))
+    for c, model in ddp.items():
+        if groups[c] is None:
+            continue
         # Equal on every rank: rank 0's values against each rank's own.
+        params = _flat(model.parameters())
         theirs = params.clone()
         dist.broadcast(theirs, 0, group=control)
         same = torch.tensor([int(torch.equal(theirs, params))])
         dist.all_reduce(same, op=dist.ReduceOp.MIN, group=control)
-        summary[c]["equal_on_all_ranks"] = bool(same.item())
-        summary[c]["max_diff_vs_gloo"] = (params - flat["gloo"]).abs().max().item() if "gloo" in flat else 0.0
-        summary[c]["close_to_gloo"] = summary[c]["max_diff_vs_gloo"] <= TOLERANCE[dtype]
-    return summary
+        r = summary[c]
+        r["equal_on_all_ranks"] = bool(same.item())
+        r["correct"] = (r["equal_on_all_ranks"] and r["grad_error"] <= GRAD_TOLERANCE[dtype]
+                        and r["update_error"] <= UPDATE_TOLERANCE[dtype])
+    return summary, lr
 
 
 def run(rank, world, args):
@@ -94,23 +189,30 @@ def run(rank, world, args):
     groups = {"ccl": dist.group.WORLD, "oneccl": group_with(world, GROUP_ENV["oneccl"]),
               "gloo": dist.new_group(backend="gloo"), "local": None}
     groups = {c: g for c, g in groups.items() if c in args.configs}
-    results = {dt: train(args, rank, world, DTYPES[dt], groups, control) for dt in args.dtypes}
+    trained = {dt: train(args, rank, world, DTYPES[dt], groups, control) for dt in args.dtypes}
     if rank != 0:
         return
+    results = {dt: by for dt, (by, _) in trained.items()}
     params = args.layers * (args.width * args.width + args.width)
     report = {"world": world, "cpus": os.cpu_count(), "torch": torch.__version__, "parameters": params,
               "width": args.width, "layers": args.layers, "batch": args.batch, "steps": args.steps,
+              "lr": {dt: lr for dt, (_, lr) in trained.items()},
+              "tolerance": {dt: {"grad_error": GRAD_TOLERANCE[DTYPES[dt]], "update_error": UPDATE_TOLERANCE[DTYPES[dt]]}
+                            for dt in results},
               "results": results}
     rows = []
     for dt, by in results.items():
         for c, r in by.items():
             ratios = [f"{r['median_ms'] / by[o]['median_ms']:.2f}" if o in by else "-" for o in ("oneccl", "gloo")]
-            comm = f"{r['median_ms'] - by['local']['median_ms']:,.1f}" if "local" in by and c != "local" else "-"
-            correct = "-" if c == "local" else "yes" if r["equal_on_all_ranks"] and r["close_to_gloo"] else "NO"
-            rows.append([dt, c, f"{r['median_ms']:,.1f}", f"{r['p90_ms']:,.1f}", comm, *ratios, correct])
+            comm = f"{r['comm_ms']:,.1f}" if "comm_ms" in r else "-"
+            correct = "-" if c == "local" else "yes" if r["correct"] else "NO"
+            rows.append([dt, c, f"{r['median_ms']:,.1f}", f"{r['p90_ms']:,.1f}", comm, *ratios,
+                         f"{r['grad_error']:.1e}", f"{r['update_error']:.1e}", correct])
     print_table(f"DDP step time: {world} ranks, {os.cpu_count()} CPUs, {params / 1e6:.1f} M parameters, "
-                f"batch {args.batch}; median of the slowest rank per step",
-                ["dtype", "backend", "median ms", "p90 ms", "- local ms", "x oneccl", "x gloo", "correct"], rows)
+                f"batch {args.batch}; median of the slowest rank per step; comm: step - local, paired by step; "
+                "errors against one process on all ranks' rows (local: its own rows only)",
+                ["dtype", "backend", "median ms", "p90 ms", "comm ms", "x oneccl", "x gloo", "grad err",
+                 "update err", "correct"], rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -149,6 +251,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8, help="rows per rank per step")
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--lr", type=float, help="SGD's learning rate (default: the reference's first step moves the "
+                   f"parameters by {LR_MOVE:.0%} of their norm)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: " + ", ".join(DTYPES))
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
     p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn when not under a launcher")

@@ -1,0 +1,339 @@
+#!/usr/bin/env python3
+"""The performance set on a many-core host, in one command, and what it needs carried there.
+
+Here (a checkout with the build tools), once per host image:
+
+    python scripts/build_wheels.py --torch 2.11.0 --python 3.12 --dist build/perf-wheel
+    .venv/bin/python scripts/perf_set.py prepare --wheel build/perf-wheel --dest build/perf-carry
+
+There (the host: no compiler, no registry; its own Python with torch):
+
+    python3 scripts/perf_set.py run --carry build/perf-carry --out DIR
+
+`prepare` copies the wheel and the run-time libraries a wheel for PyPI leaves to its declared
+requirements (libfabric and its tcp, shm and rxm providers from impi-rt, hwloc from tcmlib)
+into one folder, checks that each library is the one those packages installed (their RECORD
+hashes), and that the folder stays under --max-mib.
+
+`run` builds nothing and asks no registry. It installs the wheel for the host's Python with
+`pip install --no-deps --no-index` into a venv made with --system-site-packages (the image's
+torch), or into the image's Python (--into-image), puts the libraries in the folder the
+extension's RUNPATH names ($ORIGIN/../../.. from the package; a different file of the same
+name already there is an error, not overwritten), then runs from a folder that is not a
+checkout:
+
+  - python -m oneccl_bind_pt.bench at each of --ranks (2, 4, 8): float32 and bfloat16,
+    allreduce, allgather, reduce_scatter, alltoall, broadcast, sendrecv, --sizes
+    (4 KiB to 64 MiB), every default column (ccl, pg, oneccl, oneccl+w, gloo, raw, copy);
+  - python -m oneccl_bind_pt.bench_ddp at each of --ddp (2 ranks x 8 threads, 4 x 4; the
+    threads are OMP_NUM_THREADS).
+
+Everything lands in one folder (--out, required), 7 files with the default runs:
+perf.log (every table, as printed), one JSON per run (3 bench, 2 bench_ddp), and summary.json
+(host, versions, each run's command, exit status and seconds). A run that fails or passes its --step-timeout
+is recorded and the next one still runs; the exit status is 1 if any failed.
+
+--installed skips the install and runs the package this interpreter already has (a
+development .venv); with --quick (2 ranks, float32, 2 sizes, a small DDP model) that is
+the check of the script itself on a small machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import glob
+import hashlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OPS = "allreduce,allgather,reduce_scatter,alltoall,broadcast,sendrecv"
+# What the extension dlopens or links that its wheel does not carry: libfabric and the
+# providers one host needs (without them the first group fails with "fi_getinfo error: ret
+# -61"), from impi-rt; hwloc, from tcmlib.
+LIBS = {"libfabric.so.1": "impi-rt", "libtcp-fi.so": "impi-rt", "libshm-fi.so": "impi-rt",
+        "librxm-fi.so": "impi-rt", "libhwloc.so.15": "tcmlib"}
+# Sized for about 5 minutes on 16 cores (docs/performance.md: the estimate and how it was made).
+FULL = dict(ranks="2,4,8", dtypes="float32,bfloat16", sizes="4K,64K,1M,16M,64M", seconds=0.02, rounds=2,
+            ddp="2x8,4x4", ddp_args=["--steps", "5"])
+QUICK = dict(ranks="2", dtypes="float32", sizes="4K,1M", seconds=0.02, rounds=2,
+             ddp="2x1", ddp_args=["--width", "256", "--layers", "3", "--batch", "4", "--steps", "3", "--warmup", "1"])
+
+
+def say(msg: str) -> None:
+    print(f"[perf_set {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- prepare (here)
+
+def record_hashes(prefix: Path, package: str) -> dict[str, str]:
+    """{file name in <prefix>/lib: its sha256 as RECORD writes it} for one installed package."""
+    name = package.replace("-", "_")
+    found = {}
+    for record in glob.glob(str(prefix / "lib" / "python3*" / "site-packages" / f"{name}-*.dist-info" / "RECORD")):
+        for line in Path(record).read_text().splitlines():
+            path, _, rest = line.partition(",")
+            if path.startswith("../../") and rest.startswith("sha256="):
+                found[Path(path).name] = rest.split(",")[0].removeprefix("sha256=")
+    return found
+
+
+def file_hash(path: Path) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(path.read_bytes()).digest()).rstrip(b"=").decode()
+
+
+def prepare(args) -> int:
+    wheel = args.wheel
+    if wheel.is_dir():
+        tag = f"cp{args.python.replace('.', '')}"
+        found = sorted(wheel.glob(f"oneccl_bind_pt-{args.torch}-{tag}-{tag}-*.whl"))
+        if not found:
+            sys.exit(f"no oneccl_bind_pt {args.torch} wheel for {tag} in {wheel}; build it with\n"
+                     f"  python scripts/build_wheels.py --torch {args.torch} --python {args.python} --dist {wheel}")
+        wheel = found[-1]
+    prefix = args.libs_from
+    dest = args.dest
+    shutil.rmtree(dest, ignore_errors=True)
+    (dest / "lib").mkdir(parents=True)
+    shutil.copy2(wheel, dest / wheel.name)
+    manifest = {"wheel": wheel.name, "libs": {}}
+    hashes = {pkg: record_hashes(prefix, pkg) for pkg in set(LIBS.values())}
+    for name, package in LIBS.items():
+        src = next((p for p in (prefix / "lib" / name, prefix / "lib" / "prov" / name) if p.exists()), None)
+        if src is None:
+            sys.exit(f"{name} is not under {prefix}/lib: install oneccl-devel there (it brings impi-rt and tcmlib)")
+        want = hashes[package].get(name)
+        if want is None or want != file_hash(src.resolve()):
+            sys.exit(f"{src} is not the file {package} installed under {prefix} (RECORD "
+                     f"{'has no entry' if want is None else 'hash differs'}): carry the package's own")
+        shutil.copy2(src.resolve(), dest / "lib" / name)  # by its soname: the name the loader asks for
+        manifest["libs"][name] = {"from": package, "bytes": src.resolve().stat().st_size}
+    if args.with_udev:  # the system's, for a host image without one
+        dirs = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/usr/lib64")
+        udev = next((Path(d) / "libudev.so.1" for d in dirs if (Path(d) / "libudev.so.1").exists()), None)
+        if udev is None:
+            sys.exit("no libudev.so.1 on this system (apt-get install libudev1)")
+        shutil.copy2(udev.resolve(), dest / "lib" / "libudev.so.1")
+        manifest["libs"]["libudev.so.1"] = {"from": "system", "bytes": udev.resolve().stat().st_size}
+    site = prefix / "lib"
+    manifest["packages"] = {  # the versions the libraries came with
+        pkg: ", ".join(d.name.removesuffix(".dist-info").split("-")[1]
+                       for d in site.glob(f"python3*/site-packages/{pkg.replace('-', '_')}-*.dist-info"))
+        for pkg in sorted(set(LIBS.values()))}
+    (dest / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    mib = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file()) / 2**20
+    if mib > args.max_mib:
+        sys.exit(f"{dest} holds {mib:.1f} MiB, over --max-mib {args.max_mib}")
+    say(f"{dest}: {wheel.name} and {len(manifest['libs'])} libraries ({mib:.1f} MiB; "
+        + ", ".join(f"{p} {v}" for p, v in manifest["packages"].items()) + ")")
+    return 0
+
+
+# ---------------------------------------------------------------- run (there)
+
+def py_out(python: str, code: str, cwd: Path) -> str:
+    return subprocess.run([python, "-c", code], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def install(args, work: Path, log) -> str:
+    """Installs the carried wheel and libraries; returns the interpreter to run."""
+    carry = args.carry.resolve()
+    base = args.python
+    version = py_out(base, "import sys; print(f'{sys.version_info[0]}{sys.version_info[1]}')", work)
+    torch = py_out(base, "import torch; print(torch.__version__.split('+')[0])", work)
+    wheels = sorted(carry.glob(f"oneccl_bind_pt-*-cp{version}-cp{version}-*.whl"))
+    if not wheels:
+        sys.exit(f"no wheel for cp{version} in {carry}: {sorted(p.name for p in carry.glob('*.whl'))}")
+    wheel = wheels[-1]
+    release = wheel.name.split("-")[1]
+    if release.split(".")[:2] != torch.split(".")[:2]:
+        sys.exit(f"{wheel.name} is the release for torch {release}; this Python has torch {torch}")
+    python = base
+    if not args.into_image:
+        # --without-pip: an image's Python may lack ensurepip; the image's pip is visible
+        # through --system-site-packages and installs into the venv it runs in.
+        venv = work / "venv"
+        made = subprocess.run([base, "-m", "venv", "--system-site-packages", "--without-pip", venv],
+                              capture_output=True).returncode == 0
+        if made and subprocess.run([venv / "bin" / "python", "-c", "import torch"], cwd=work,
+                                   capture_output=True).returncode == 0:
+            python = str(venv / "bin" / "python")
+        else:  # one try per host: go on as --into-image rather than stop
+            say(f"a venv over {base} {'does not see its torch (is it a venv itself?)' if made else 'failed'}: "
+                "installing into it instead (--into-image)")
+    # --force-reinstall: the same version seen elsewhere on the path must not satisfy it.
+    pip = [python, "-m", "pip", "install", "--no-deps", "--no-index", "--no-compile", "--force-reinstall",
+           "--disable-pip-version-check"]
+    if subprocess.run([python, "-m", "pip", "--version"], capture_output=True).returncode == 0:
+        proc = subprocess.run([*pip, wheel], capture_output=True, text=True)
+        if "externally-managed-environment" in proc.stderr:  # --into-image on a distribution's Python
+            proc = subprocess.run([*pip, "--break-system-packages", wheel], capture_output=True, text=True)
+        log.write(proc.stdout + proc.stderr)
+        if proc.returncode:
+            sys.exit(f"pip install {wheel.name} failed:\n{proc.stdout}{proc.stderr}")
+    else:  # no pip at all: a wheel is a zip of the site-packages tree
+        site = py_out(python, "import sysconfig; print(sysconfig.get_paths()['platlib'])", work)
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(site)
+    # The extension's RUNPATH is $ORIGIN/../../..: the lib folder above site-packages.
+    package = py_out(python, "import importlib.util as u; "
+                     "print(u.find_spec('oneccl_bind_pt').submodule_search_locations[0])", work)
+    libdir = (Path(package) / ".." / ".." / "..").resolve()
+    for lib in sorted((carry / "lib").iterdir()):
+        target = libdir / lib.name
+        if os.path.lexists(target):  # --into-image: the image's own libraries live there (e.g. /usr/lib)
+            if target.exists() and target.read_bytes() == lib.read_bytes():
+                continue
+            sys.exit(f"{target} already exists and differs from the carried {lib.name}: refusing to overwrite it")
+        shutil.copy2(lib, target)
+    say(f"installed {wheel.name} for {python}; {len(list((carry / 'lib').iterdir()))} libraries into {libdir}")
+    return python
+
+
+def kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_step(name, cmd, env, cwd, timeout, log) -> dict:
+    """One run, its output to the terminal and the log; killed with its ranks past `timeout`."""
+    say(f"{name}: {' '.join(map(str, cmd))}")
+    log.write(f"\n===== {name}: {' '.join(map(str, cmd))}\n")
+    log.flush()
+    start = time.monotonic()
+    # Its own process group: the ranks it spawns go with it on a timeout.
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    timer = threading.Timer(timeout, kill_group, (proc.pid,))
+    timer.start()
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+    seconds = round(time.monotonic() - start, 1)
+    timed_out = rc == -signal.SIGKILL and seconds >= timeout
+    say(f"{name}: exit {rc}{' (past --step-timeout)' if timed_out else ''}, {seconds} s")
+    log.write(f"===== {name}: exit {rc}, {seconds} s\n")
+    log.flush()
+    return {"name": name, "cmd": [str(c) for c in cmd], "rc": rc, "timed_out": timed_out, "seconds": seconds}
+
+
+def host_facts(python: str, cwd: Path) -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    versions = py_out(python, "import json, sys, torch, oneccl_bind_pt as o; print(json.dumps({'python': "
+                      "sys.version.split()[0], 'torch': torch.__version__, 'oneccl_bind_pt': o.__version__, "
+                      "'package': o.__file__}))", cwd)
+    return {"cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)), "cpu": model,
+            "kernel": platform.release(), **json.loads(versions)}
+
+
+def run(args) -> int:
+    preset = QUICK if args.quick else FULL
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="perf-set-"))  # not a checkout: the installed package is imported
+    summary = {"mode": "quick" if args.quick else "full", "steps": []}
+    try:
+        with open(out / "perf.log", "w") as log:
+            python = args.python if args.installed else install(args, work, log)
+            summary["host"] = host_facts(python, work)
+            say(f"host: {summary['host']}")
+            env = dict(os.environ)
+            # gloo binds the interface its host name resolves to; a host whose NIC has no route
+            # needs the loopback (no other variable: the ccl column runs on the package's defaults).
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            steps = []
+            for n in args.ranks.split(","):
+                steps.append((f"bench {n} ranks", [python, "-m", "oneccl_bind_pt.bench", "--nprocs", n, "--ops", OPS,
+                                                   "--dtypes", args.dtypes, "--sizes", args.sizes,
+                                                   "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
+                                                   "--json", out / f"bench-{n}ranks.json"], {}))
+            for config in args.ddp.split(","):
+                n, threads = config.split("x")
+                steps.append((f"bench_ddp {n} ranks x {threads} threads",
+                              [python, "-m", "oneccl_bind_pt.bench_ddp", "--nprocs", n, *args.ddp_args,
+                               "--json", out / f"ddp-{n}x{threads}.json"], {"OMP_NUM_THREADS": threads}))
+            for name, cmd, extra in steps:
+                left = args.budget - (time.monotonic() - start)
+                if left < 10:
+                    say(f"{name}: not started, --budget {args.budget:.0f} s spent")
+                    summary["steps"].append({"name": name, "rc": None, "skipped": "budget"})
+                else:
+                    summary["steps"].append(run_step(name, cmd, {**env, **extra}, work, min(args.step_timeout, left),
+                                                     log))
+                summary["seconds"] = round(time.monotonic() - start, 1)
+                (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")  # kept if a later step hangs
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    failed = [s["name"] for s in summary["steps"] if s["rc"] != 0]
+    say(f"{len(summary['steps'])} runs in {round(time.monotonic() - start, 1)} s, outputs in {out}"
+        + (f"; not run or failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="here: collect the wheel and the libraries to carry into one folder")
+    p.add_argument("--wheel", type=Path, default=ROOT / "build" / "perf-wheel",
+                   help="the wheel, or the folder build_wheels.py wrote it to (default: %(default)s)")
+    p.add_argument("--torch", default="2.11.0", help="the host's torch release (default: %(default)s)")
+    p.add_argument("--python", default="3.12", help="the host's Python (default: %(default)s)")
+    p.add_argument("--libs-from", type=Path, default=Path(sys.prefix),
+                   help="a prefix where oneccl-devel's requirements (impi-rt, tcmlib) are installed "
+                   "(default: this interpreter's, %(default)s)")
+    p.add_argument("--with-udev", action="store_true", help="also carry this system's libudev.so.1 (hwloc needs "
+                   "it; for a host image without it)")
+    p.add_argument("--dest", type=Path, default=ROOT / "build" / "perf-carry",
+                   help="the folder to carry (default: %(default)s)")
+    p.add_argument("--max-mib", type=float, default=64, help="refuse a folder larger than this (default: %(default)s)")
+    r = sub.add_parser("run", help="there: install what was carried and run the performance set")
+    r.add_argument("--carry", type=Path, default=ROOT / "build" / "perf-carry",
+                   help="prepare's folder (default: %(default)s)")
+    r.add_argument("--python", default=sys.executable, help="the interpreter with torch (default: this one)")
+    r.add_argument("--into-image", action="store_true", help="install into --python itself, not a venv over it")
+    r.add_argument("--installed", action="store_true",
+                   help="install nothing: run the oneccl_bind_pt --python already has")
+    r.add_argument("--out", type=Path, required=True, help="output folder (required)")
+    r.add_argument("--quick", action="store_true", help="a check of the script: 2 ranks, float32, 2 sizes, "
+                   "a small DDP model on 2 ranks x 1 thread")
+    r.add_argument("--ranks", help=f"bench's rank counts (default: {FULL['ranks']}; --quick {QUICK['ranks']})")
+    r.add_argument("--dtypes", help=f"bench's dtypes (default: {FULL['dtypes']})")
+    r.add_argument("--sizes", help=f"bench's message sizes (default: {FULL['sizes']}; --quick {QUICK['sizes']})")
+    r.add_argument("--seconds", type=float, help=f"bench's time per column per point (default: {FULL['seconds']})")
+    r.add_argument("--rounds", type=int, help=f"bench's interleaved rounds (default: {FULL['rounds']})")
+    r.add_argument("--ddp", help=f"bench_ddp's RANKSxTHREADS runs (default: {FULL['ddp']}; --quick {QUICK['ddp']})")
+    r.add_argument("--step-timeout", type=float, default=150, help="seconds before one run is killed with its "
+                   "ranks (default: %(default)s)")
+    r.add_argument("--budget", type=float, default=540, help="seconds from the start after which no run starts and "
+                   "the one in progress is killed (default: %(default)s)")
+    args = ap.parse_args()
+    if args.command == "prepare":
+        return prepare(args)
+    args.ddp_args = None
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""scripts/perf_set.py: what `prepare` carries and how `run` stops at its budget (seconds; the
+full set itself is `run --installed --quick`, minutes, documented in docs/performance.md)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_launchers import ROOT
+
+SCRIPT = ROOT / "scripts" / "perf_set.py"
+LIB = Path(sys.prefix) / "lib"
+
+
+def test_prepare_carries_the_wheel_and_the_packages_own_libraries(tmp_path):
+    if not (LIB / "libfabric.so.1").exists():
+        pytest.skip("impi-rt is not installed beside this Python")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "oneccl_bind_pt-2.11.0-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"stand-in")
+    dest = tmp_path / "carry"
+    r = subprocess.run([sys.executable, SCRIPT, "prepare", "--wheel", wheels, "--dest", dest],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    manifest = json.loads((dest / "MANIFEST.json").read_text())
+    assert manifest["wheel"].startswith("oneccl_bind_pt-2.11.0-cp312-")
+    assert sorted(p.name for p in (dest / "lib").iterdir()) == sorted(
+        ["libfabric.so.1", "libhwloc.so.15", "librxm-fi.so", "libshm-fi.so", "libtcp-fi.so"])
+    assert {lib["from"] for lib in manifest["libs"].values()} == {"impi-rt", "tcmlib"}
+    assert (dest / "lib" / "libfabric.so.1").read_bytes() == (LIB / "libfabric.so.1").resolve().read_bytes()
+
+    # Over the size limit, or a library that is not the package's own: refused.
+    r = subprocess.run([sys.executable, SCRIPT, "prepare", "--wheel", wheels, "--dest", dest, "--max-mib", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "over --max-mib 1" in r.stderr, r.stderr
+    fake = tmp_path / "prefix"
+    (fake / "lib").mkdir(parents=True)
+    for name in ("libfabric.so.1", "libtcp-fi.so", "libshm-fi.so", "librxm-fi.so", "libhwloc.so.15"):
+        (fake / "lib" / name).write_bytes(b"not from a package")
+    r = subprocess.run([sys.executable, SCRIPT, "prepare", "--wheel", wheels, "--dest", tmp_path / "c2",
+                        "--libs-from", fake], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "is not the file impi-rt installed" in r.stderr, r.stderr
+
+
+def test_run_starts_nothing_past_its_budget(tmp_path):
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, SCRIPT, "run", "--installed", "--quick", "--budget", "0", "--out", out],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["name"] for s in summary["steps"]] == ["bench 2 ranks", "bench_ddp 2 ranks x 1 threads"]
+    assert all(s.get("skipped") == "budget" for s in summary["steps"]), summary
+    assert summary["host"]["torch"] == torch.__version__
+    assert sorted(p.name for p in out.iterdir()) == ["perf.log", "summary.json"]

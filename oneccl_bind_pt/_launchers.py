@@ -54,9 +54,15 @@ class Launch:
     values: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
+# Below Linux's ephemeral range (the kernel never hands these out by itself), and below the
+# ports the tests and scripts hold for their jobs (scripts/ports.py, from 30000), so a
+# launcher's job beside a test run never takes the port a test was given.
+JOB_PORTS = range(10000, 30000)
+
+
 def job_port(key: str) -> str:
     """A port every rank of one job derives alike and another job likely not."""
-    return str(10000 + zlib.crc32(key.encode()) % 20000)
+    return str(JOB_PORTS.start + zlib.crc32(key.encode()) % len(JOB_PORTS))
 
 
 def first_host(nodelist: str) -> str:

@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ports  # noqa: E402
 import releases  # noqa: E402
 
 EXAMPLE = releases.ROOT / "examples" / "ddp.py"
@@ -50,9 +50,8 @@ def say(msg: str) -> None:
 
 
 def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+    # Held until this script exits (scripts/ports.py: binding port 0 and closing it races).
+    return str(ports.free_port())
 
 
 def run(cmd, env, cwd, timeout=600) -> str:

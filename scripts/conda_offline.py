@@ -33,6 +33,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -48,6 +49,7 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+import ports  # noqa: E402
 from gen_release_files import load as load_meta  # noqa: E402
 
 # Stand-in names are the real channels' names, so recipe/recipe.yaml builds unchanged.
@@ -488,8 +490,8 @@ cwd="$(python -c 'import oneccl_bindings_for_pytorch as m; print(m.cwd)')"
 case "$cwd" in "$CONDA_PREFIX"/*) ;; *) echo "package not from the environment: $cwd"; exit 1;; esac
 . "$cwd/env/setvars.sh"
 echo "mpirun: $(command -v mpirun)"
-mpirun -n 2 python "$EXAMPLE" 2>&1 | tee mpirun.out
-torchrun --nproc_per_node 2 "$EXAMPLE" 2>&1 | tee torchrun.out
+MASTER_PORT="$MPIRUN_PORT" mpirun -n 2 python "$EXAMPLE" 2>&1 | tee mpirun.out
+torchrun --nproc_per_node 2 --master_port "$TORCHRUN_PORT" "$EXAMPLE" 2>&1 | tee torchrun.out
 # Our deactivation puts back what was there before our activation ran.
 ours_on="$CONDA_PREFIX/etc/conda/activate.d/oneccl_bind_pt.sh"
 ours_off="$CONDA_PREFIX/etc/conda/deactivate.d/oneccl_bind_pt.sh"
@@ -515,11 +517,30 @@ def smoke(prefix, work):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("VIRTUAL_ENV", "PYTHON", "CONDA", "CCL_", "I_MPI", "FI_"))}
     env["EXAMPLE"] = str(ROOT / "examples" / "ddp.py")
+    # Ports held for this run (scripts/ports.py): another conda proof may run beside this one,
+    # and torchrun's default (29500) would be the same for both.
+    env["MPIRUN_PORT"], env["TORCHRUN_PORT"] = str(ports.free_port()), str(ports.free_port())
     t = time.time()
-    run = subprocess.run(["bash", str(script)], cwd=work, env=env, text=True, capture_output=True, timeout=600)
-    print(run.stdout[-4000:], run.stderr[-4000:], sep="\n")
-    if run.returncode:
-        sys.exit(f"smoke run in the conda environment failed (exit {run.returncode})")
+    # Its own session: on a timeout the ranks are killed with the launcher, not left running.
+    proc = subprocess.Popen(["bash", str(script)], cwd=work, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a grandchild that left the session still holds the pipes
+            out, err = "", ""
+        print(out[-4000:], err[-4000:], sep="\n")
+        sys.exit("smoke run in the conda environment did not finish within 600 s")
+    finally:
+        if proc.poll() is None:  # interrupted meanwhile: nothing of it outlives this script
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    print(out[-4000:], err[-4000:], sep="\n")
+    if proc.returncode:
+        sys.exit(f"smoke run in the conda environment failed (exit {proc.returncode})")
     # Same seed and data under both launchers: one checksum from all four ranks.
     found = {launcher: re.findall(r"rank (\d) parameter checksum (-?\d+\.\d+)", (work / f"{launcher}.out").read_text())
              for launcher in ("mpirun", "torchrun")}

@@ -41,7 +41,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netns  # noqa: E402
+import ports  # noqa: E402
 
 FAULTS = ["kill", "stop", "store", "abort", *netns.PARTITIONS]
 TRANSPORTS = {"shm": {"ONECCL_BIND_PT_SHM": "1"}, "oneccl": {"ONECCL_BIND_PT_SHM": "0"}}
@@ -112,11 +112,22 @@ def rank_main(rank, world, folder, init_method, timeout, seed):
         result["error"] = None
     except Exception as e:  # noqa: BLE001 - what the fault raises is the result
         result.update(raised_at=time.time(), error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
-    (folder / f"result-{rank}.json").write_text(json.dumps(result))
+    _write_result(folder, rank, result)  # before the teardown, which may hang or kill the rank
+    # No fault excuses a teardown that raises, the abort victim's included: abort() tears down
+    # the backend's communicators, and destroy_process_group() of a CPU group only drops it
+    # from torch's registries (measured: it does not raise there). The trial turns red.
     try:
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - an aborted default group is already gone
-        pass
+        result["destroy_error"] = None
+    except Exception as e:  # noqa: BLE001 - reported, and judged by the trial
+        result["destroy_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    _write_result(folder, rank, result)
+
+
+def _write_result(folder, rank, result):
+    tmp = folder / f"result-{rank}.json.tmp"
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, folder / f"result-{rank}.json")  # whole or absent, even if the rank dies now
 
 
 # ---------------------------------------------------------------- a trial
@@ -137,16 +148,10 @@ def _stacks(pid):
     return "\n".join(line for line in out.splitlines() if line.startswith(("#", "Thread")))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _start_ranks(fault, transport, world, timeout, seed, folder, hosts):
+def _start_ranks(fault, transport, world, timeout, seed, folder, hosts, port):
     """The ranks as plain processes (a partition puts rank 0 on host 0, the others on host 1)."""
     addr = hosts.addr[0] if hosts else "127.0.0.1"
-    init_method = f"tcp://{addr}:{_free_port()}"
+    init_method = f"tcp://{addr}:{port}"
     # Across hosts nothing of this machine's launch may leak in (a MASTER_ADDR, a pinned interface).
     env = {k: v for k, v in os.environ.items() if not (hosts and k.startswith(("CCL_", "FI_", "MASTER_", "ONECCL_")))}
     env.update(TRANSPORTS[transport])
@@ -181,19 +186,40 @@ def _exited(proc, seconds):
 
 
 def trial(fault, transport, world, timeout, seed):
+    port = ports.free_port()
+    try:
+        return _trial(fault, transport, world, timeout, seed, port)
+    finally:
+        ports.release_port(port)  # every rank has exited: the next trial may have it
+
+
+def _verdict(why, victim=None, errors=(), stacks=None, logs=None):
+    """A trial's result: the same keys on every path, so a red one always says why."""
+    return {"ok": not why, "why": "; ".join(why), "victim": victim, "errors": sorted(errors),
+            "hung_stacks": stacks or {}, "logs": logs or {}}
+
+
+def _logs(folder, ranks):
+    return {r: (folder / f"rank-{r}.log").read_text(errors="replace")[-3000:] for r in ranks
+            if (folder / f"rank-{r}.log").exists()}
+
+
+def _trial(fault, transport, world, timeout, seed, port):
     rng = random.Random(seed)
     partition = fault in netns.PARTITIONS
     with tempfile.TemporaryDirectory(prefix="fault-matrix-") as tmp, \
             (netns.hosts() if partition else contextlib.nullcontext()) as hosts:
         folder = Path(tmp)
-        procs = _start_ranks(fault, transport, world, timeout, seed, folder, hosts)
+        procs = _start_ranks(fault, transport, world, timeout, seed, folder, hosts, port)
         start = time.monotonic()
         while not all((folder / f"streaming-{r}").exists() for r in range(world)):
             if time.monotonic() - start > 120 or any(p.poll() is not None for p in procs):
                 for p in procs:
                     p.kill()
                     p.wait()
-                return {"ok": False, "why": "the ranks did not start streaming"}
+                codes = [p.returncode for p in procs]
+                return _verdict([f"the ranks did not start streaming (exit codes {codes})"],
+                                logs=_logs(folder, range(world)))
             time.sleep(0.02)
         time.sleep(rng.uniform(0, 0.5))  # the random moment of the fault
         victim = None if partition else 0 if fault == "store" else rng.randrange(1, world)
@@ -221,21 +247,27 @@ def trial(fault, transport, world, timeout, seed):
             if code != 0 and r not in hung:
                 why.append(f"rank {r} exited {signal.Signals(-code).name if code < 0 else code}")
             if r not in results:
+                if code == 0:
+                    why.append(f"rank {r} exited 0 without writing its result")
                 continue
             if results[r]["error"] is None:
                 why.append(f"rank {r} never raised")
             elif results[r]["raised_at"] - fault_at > timeout + 2:
                 why.append(f"rank {r} raised {results[r]['raised_at'] - fault_at:.1f} s after the fault")
+            if "destroy_error" not in results[r]:
+                if code == 0:
+                    why.append(f"rank {r} exited 0 without finishing destroy_process_group()")
+            elif results[r]["destroy_error"]:
+                why.append(f"rank {r}'s destroy_process_group() raised {results[r]['destroy_error']}")
         left = _dev_shm_of([p.pid for p in procs] + [r["pid"] for r in results.values()])
         if left:
             why.append(f"left in /dev/shm: {left}")
         for name in left:
             os.unlink(f"/dev/shm/{name}")
-        errors = sorted({r["error"].split(" (rank")[0] for r in results.values() if r["error"]})
+        errors = {r["error"].split(" (rank")[0] for r in results.values() if r["error"]}
+        errors |= {f"teardown: {r['destroy_error']}" for r in results.values() if r.get("destroy_error")}
         # A red trial keeps what its ranks printed (the end of it): the cause is often there.
-        logs = {r: (folder / f"rank-{r}.log").read_text(errors="replace")[-3000:] for r in others} if why else {}
-        return {"ok": not why, "why": "; ".join(why), "victim": victim, "errors": errors, "hung_stacks": stacks,
-                "logs": logs}
+        return _verdict(why, victim, errors, stacks, _logs(folder, others) if why else {})
 
 
 def main(argv=None):

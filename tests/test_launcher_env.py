@@ -8,6 +8,7 @@ kind); the launcher tests (test_launchers.py) run the real ones end to end.
 from __future__ import annotations
 
 import pytest
+from harness import free_port
 
 from oneccl_bind_pt import _launchers
 
@@ -70,6 +71,15 @@ def test_ports_agree_within_a_job_and_differ_between_jobs():
     step1 = {**SRUN, "SLURM_STEP_ID": "1"}
     _launchers.map_launcher_env(step1, record={})
     assert {step1["MASTER_PORT"]} != ports["41"]  # two steps of one job at once
+
+
+def test_derived_ports_and_the_ports_tests_hold_are_disjoint():
+    # A launcher's job beside a test run must not be able to take a port a test holds.
+    derived = {int(_launchers.job_port(f"slurm-{i}.0")) for i in range(50_000)}
+    assert min(derived) >= _launchers.JOB_PORTS.start and max(derived) < _launchers.JOB_PORTS.stop
+    assert max(derived) > _launchers.JOB_PORTS.stop - 10  # the whole range is used
+    held = [free_port() for _ in range(20)]
+    assert len(set(held)) == 20 and min(held) >= _launchers.JOB_PORTS.stop, held
 
 
 def test_what_the_user_set_wins():

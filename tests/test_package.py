@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import import_or_require
+import yaml
+from harness import communicate, import_or_require, popen
 from packaging.requirements import Requirement
 import torch.distributed as dist
 
@@ -100,10 +101,32 @@ def test_torch_of_another_release_names_the_oneccl_bind_pt_that_matches_it(tmp_p
             assert needle in said[version], (version, said[version])
 
 
-def test_supported_releases_are_the_table():
+def test_supported_releases_are_the_table(tmp_path):
+    # Against meta/releases.yaml read here, not against the package's own table (the installed
+    # package may be an older build than the checkout's table), then against what the import
+    # check really does with each release's torch.
+    meta = yaml.safe_load((Path(__file__).resolve().parent.parent / "meta" / "releases.yaml").read_text())
+    want = {(r["torch"], tuple(r["python"]), r["oneccl"], r["impi_rt"], r["tcmlib"]) for r in meta["releases"]}
     rows = oneccl_bind_pt.supported_releases()
-    assert ROW in rows and len(rows) == 1 + len(OTHER_ROWS)
-    assert all(r["version"].startswith(r["torch"]) for r in rows)
+    assert {(r["torch"], tuple(r["python"]), r["oneccl"], r["impi_rt"], r["tcmlib"]) for r in rows} == want
+    for r in rows:  # plain torch versions, and the torch minor as the requirement
+        major, minor = map(int, r["torch"].split(".")[:2])
+        assert r["version"] == r["torch"] and r["torch_requirement"] == f"torch>={r['torch']},<{major}.{minor + 1}", r
+    # Another patch of each release's torch: only the installed torch's minor imports (tried
+    # last: a module imported once is not checked again); every other names its release.
+    mine = [r for r in meta["releases"] if r["torch"].split(".")[:2] == torch.__version__.split(".")[:2]]
+    assert len(mine) == 1, torch.__version__
+    order = [r for r in meta["releases"] if r is not mine[0]] + mine
+    seen = {f"{r['torch'].rsplit('.', 1)[0]}.7+cpu": r["torch"] for r in order}
+    proc = subprocess.run([sys.executable, "-c", _EACH_OTHER_TORCH, *seen], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)  # one interpreter, no ranks: nothing outlives a timeout
+    assert proc.returncode == 0, proc.stderr
+    said = json.loads(proc.stdout.splitlines()[-1])
+    for version, release in seen.items():
+        if release == mine[0]["torch"]:
+            assert said[version] == "imported", (version, said[version])
+        else:
+            assert f"install oneccl_bind_pt {release}" in said[version], (version, said[version])
 
 
 def test_metadata_declares_the_torch_minor_and_the_runtime():
@@ -238,14 +261,17 @@ def test_build_refuses_an_older_patch_than_its_release_and_names_that_release(ro
 def test_doctor_selftest_passes_and_flags_problems(tmp_path):
     bindir = os.path.dirname(sys.executable)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("CCL_", "FI_", "I_MPI_"))}
-    ok = subprocess.run([sys.executable, "-m", "oneccl_bind_pt.doctor", "--selftest"], cwd=tmp_path,
-                        capture_output=True, text=True, timeout=300, env={**base, "PATH": f"{bindir}:/usr/bin:/bin"})
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert f"(built against {TORCH_BUILT_WITH}: match)" in ok.stdout
-    assert "self-test        PASS" in ok.stdout
+    # The self-test starts ranks: its own session, so a timeout kills them too, not only the doctor.
+    selftest = popen([sys.executable, "-m", "oneccl_bind_pt.doctor", "--selftest"], cwd=tmp_path,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                     env={**base, "PATH": f"{bindir}:/usr/bin:/bin"})
+    (out,) = communicate([selftest], 300)
+    assert selftest.returncode == 0, out
+    assert f"(built against {TORCH_BUILT_WITH}: match)" in out
+    assert "self-test        PASS" in out
     for row in [ROW, *OTHER_ROWS]:  # which oneccl_bind_pt goes with which torch
-        assert f"oneccl_bind_pt=={row['version']} (Python {', '.join(row['python'])})" in ok.stdout
-    assert "CCL_WORKER_OFFLOAD=0" in ok.stdout  # the defaults it applied are shown
+        assert f"oneccl_bind_pt=={row['version']} (Python {', '.join(row['python'])})" in out
+    assert "CCL_WORKER_OFFLOAD=0" in out  # the defaults it applied are shown
     # The environment's mpirun exists but no mpirun is on PATH: a problem, with the fix.
     (tmp_path / "nobin").mkdir()
     bad = subprocess.run([sys.executable, "-m", "oneccl_bind_pt.doctor"], cwd=tmp_path,

@@ -44,9 +44,10 @@ class Plan:
 # (reduce op kinds, complex, async, a group object, the coalesced and list
 # forms, argument checks), every p2p form (tags, any source, batched, the
 # profiler rows of each), object collectives, DDP with and without a comm
-# hook, futures, the barrier's timeout. Left to the full plans: the other
-# reduce ops of the same op (sum/max/min/product share one path), the
-# "_full_group" twins of cases kept here, and the listed gloo-only cases.
+# hook, futures, the barrier's timeout, and one case of known_issues.py (2 s), so
+# that a listed case that starts passing fails CI too. Left to the full plans: the
+# other reduce ops of the same op (sum/max/min/product share one path), the
+# "_full_group" twins of cases kept here, and the other listed cases.
 CI_WS2 = (
     "test_all_reduce_sum",
     "test_all_reduce_max",
@@ -91,6 +92,7 @@ CI_WS2 = (
     "test_get_future",
     "test_destroy_group",
     "test_get_backend",
+    "test_monitored_barrier_gloo_rank_0_timeout",  # listed in known_issues.py
 )
 
 # World size 3: only what a third rank changes, as PyTorch's own cases check it: roots
@@ -99,7 +101,7 @@ CI_WS2 = (
 # that leave a rank out, the barrier timing out with two absent peers. The rest of
 # what a third rank could change (every op, dtype and transport at 3 and 4 ranks) is
 # tests/test_matrix.py's, compared with gloo; DDP at 3 ranks is in
-# tests/test_pytorch_features.py.
+# tests/test_pytorch_features.py. Plus one case of known_issues.py, as in CI_WS2.
 CI_WS3 = (
     "test_broadcast",
     "test_reduce_sum",
@@ -110,6 +112,7 @@ CI_WS3 = (
     "test_batch_isend_irecv_gloo",
     "test_get_rank_size_group",
     "test_all_gather_object_subgroup",
+    "test_monitored_barrier_gloo_subgroup",  # listed in known_issues.py
 )
 
 # One case per area, world size 2, about a minute: for an environment built
@@ -127,8 +130,8 @@ SMOKE = (
 PLANS = {
     plan.name: plan
     for plan in (
-        # min_passed: every case of these lists passes on ccl with torch 2.13.0 (ci-ws3:
-        # 9 of 9 measured), less a margin of about a tenth for what another release
+        # min_passed: every case of these lists but the known_issues.py one passes on ccl with
+        # torch 2.13.0 (ci-ws3: 9 of 9 measured), less a margin of about a tenth for what another release
         # may skip; the full plans: 91 cases spawn ranks, of which 4 are known_issues.py's.
         Plan("smoke", 2, SMOKE, timeout=20 * 60, case_timeout=120, min_passed=5, start="fork"),
         Plan("ci-ws2", 2, CI_WS2, quick=True, timeout=45 * 60, case_timeout=120, min_passed=39, start="fork"),

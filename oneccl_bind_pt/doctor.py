@@ -156,6 +156,11 @@ def main(argv=None) -> int:
         print(f"shared memory    {_C.kernels()}")
     except ValueError as e:  # an ONECCL_BIND_PT_KERNELS/_COPY value it does not know
         problems.append(str(e).splitlines()[0])
+    try:
+        # For this process: a rank under a launcher also divides the host by its ranks.
+        print(f"                 {_C.helpers()}")
+    except ValueError as e:  # an ONECCL_BIND_PT_HELPERS value it does not know
+        problems.append(str(e).splitlines()[0])
     hwloc, fabric = _loaded_library("libhwloc"), _libfabric()
     on_path, ours = _mpirun()
     print(f"hwloc            {hwloc or 'NOT FOUND'}")

@@ -25,11 +25,14 @@ checkout:
   - python -m oneccl_bind_pt.bench at each of --ranks (2, 4, 8): float32 and bfloat16,
     allreduce, allgather, reduce_scatter, alltoall, broadcast, sendrecv, --sizes
     (4 KiB to 64 MiB), every default column (ccl, pg, oneccl, oneccl+w, gloo, raw, copy);
+  - at 2 ranks, the helper sweep: bench of our transport alone (pg) with ONECCL_BIND_PT_HELPERS
+    at each of --helpers (0, 1, 3), allreduce, allgather, reduce_scatter, broadcast, 1-64 MiB;
   - python -m oneccl_bind_pt.bench_ddp at each of --ddp (2 ranks x 8 threads, 4 x 4; the
     threads are OMP_NUM_THREADS).
 
-Everything lands in one folder (--out, required), 7 files with the default runs:
-perf.log (every table, as printed), one JSON per run (3 bench, 2 bench_ddp), and summary.json
+Everything lands in one folder (--out, required), 8 files with the default runs:
+perf.log (every table, as printed), one JSON per run (3 bench, 2 bench_ddp), helpers.json (the
+sweep, by helper count), and summary.json
 (host, versions, each run's command, exit status and seconds). A run that fails or passes its --step-timeout
 is recorded and the next one still runs; the exit status is 1 if any failed.
 
@@ -59,6 +62,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = "allreduce,allgather,reduce_scatter,alltoall,broadcast,sendrecv"
+# The helper-thread sweep (ONECCL_BIND_PT_HELPERS): 2 ranks, our transport only, the ops
+# that copy and reduce large messages, at sizes the split reaches.
+HELPER_OPS = "allreduce,allgather,reduce_scatter,broadcast"
+HELPER_SIZES = "1M,16M,64M"
 # What the extension dlopens or links that its wheel does not carry: libfabric and the
 # providers one host needs (without them the first group fails with "fi_getinfo error: ret
 # -61"), from impi-rt; hwloc, from tcmlib.
@@ -66,8 +73,8 @@ LIBS = {"libfabric.so.1": "impi-rt", "libtcp-fi.so": "impi-rt", "libshm-fi.so": 
         "librxm-fi.so": "impi-rt", "libhwloc.so.15": "tcmlib"}
 # Sized for about 5 minutes on 16 cores (docs/performance.md: the estimate and how it was made).
 FULL = dict(ranks="2,4,8", dtypes="float32,bfloat16", sizes="4K,64K,1M,16M,64M", seconds=0.02, rounds=2,
-            ddp="2x8,4x4", ddp_args=["--steps", "5"])
-QUICK = dict(ranks="2", dtypes="float32", sizes="4K,1M", seconds=0.02, rounds=2,
+            helpers="0,1,3", ddp="2x8,4x4", ddp_args=["--steps", "5"])
+QUICK = dict(ranks="2", dtypes="float32", sizes="4K,1M", seconds=0.02, rounds=2, helpers="0,1",
              ddp="2x1", ddp_args=["--width", "256", "--layers", "3", "--batch", "4", "--steps", "3", "--warmup", "1"])
 
 
@@ -269,6 +276,13 @@ def run(args) -> int:
                                                    "--dtypes", args.dtypes, "--sizes", args.sizes,
                                                    "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
                                                    "--json", out / f"bench-{n}ranks.json"], {}))
+                if n == "2":
+                    for h in filter(None, args.helpers.split(",")):
+                        steps.append((f"bench 2 ranks, {h} helpers",
+                                      [python, "-m", "oneccl_bind_pt.bench", "--nprocs", "2", "--ops", HELPER_OPS,
+                                       "--dtypes", "float32", "--sizes", HELPER_SIZES, "--backends", "pg",
+                                       "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
+                                       "--json", work / f"helpers-{h}.json"], {"ONECCL_BIND_PT_HELPERS": h}))
             for config in args.ddp.split(","):
                 n, threads = config.split("x")
                 steps.append((f"bench_ddp {n} ranks x {threads} threads",
@@ -284,6 +298,10 @@ def run(args) -> int:
                                                      log))
                 summary["seconds"] = round(time.monotonic() - start, 1)
                 (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")  # kept if a later step hangs
+        # One file for the sweep (a host may send back only a few files).
+        sweep = {p.stem.split("-")[1]: json.loads(p.read_text()) for p in sorted(work.glob("helpers-*.json"))}
+        if sweep:
+            (out / "helpers.json").write_text(json.dumps(sweep, indent=1) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     failed = [s["name"] for s in summary["steps"] if s["rc"] != 0]
@@ -323,6 +341,8 @@ def main() -> int:
     r.add_argument("--sizes", help=f"bench's message sizes (default: {FULL['sizes']}; --quick {QUICK['sizes']})")
     r.add_argument("--seconds", type=float, help=f"bench's time per column per point (default: {FULL['seconds']})")
     r.add_argument("--rounds", type=int, help=f"bench's interleaved rounds (default: {FULL['rounds']})")
+    r.add_argument("--helpers", help=f"ONECCL_BIND_PT_HELPERS values the helper sweep runs at 2 ranks, '' for "
+                   f"none (default: {FULL['helpers']}; --quick {QUICK['helpers']})")
     r.add_argument("--ddp", help=f"bench_ddp's RANKSxTHREADS runs (default: {FULL['ddp']}; --quick {QUICK['ddp']})")
     r.add_argument("--step-timeout", type=float, default=150, help="seconds before one run is killed with its "
                    "ranks (default: %(default)s)")

@@ -1,5 +1,7 @@
 #include "kernels.hpp"
 
+#include "helpers.hpp"
+
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
@@ -145,7 +147,15 @@ ReduceKernel reduce_kernel(at::ScalarType dtype, c10d::ReduceOp::RedOpType op) {
   }
 }
 
-void copy_bytes(void* dst, const void* src, size_t n) {
+namespace {
+
+// Work this large is split across the helper threads (helpers.hpp), in pieces of at
+// least kMinPiece bytes on cache-line boundaries: below, waking a helper costs about
+// what it saves.
+constexpr size_t kSplitFrom = size_t{256} << 10;
+constexpr size_t kMinPiece = size_t{64} << 10;
+
+void copy_here(void* dst, const void* src, size_t n) {
   if (n < 4096) {
     std::memcpy(dst, src, n); // below glibc's rep movsb sizes: its vector moves
   } else {
@@ -153,6 +163,49 @@ void copy_bytes(void* dst, const void* src, size_t n) {
     static const CopyFn large_copy = kernels().glibc_copy ? &glibc_copy : loop_copy(kernels().isa);
     large_copy(dst, src, n);
   }
+}
+
+struct CopyJob {
+  char* dst;
+  const char* src;
+};
+
+struct ReduceJob {
+  ReduceKernel kernel;
+  size_t unit;
+  char* out;
+  const void* const* in;
+  int n;
+};
+
+} // namespace
+
+void copy_bytes(void* dst, const void* src, size_t n) {
+  if (n < kSplitFrom) {
+    copy_here(dst, src, n);
+    return;
+  }
+  CopyJob job{static_cast<char*>(dst), static_cast<const char*>(src)};
+  split(n, 64, kMinPiece, [](void* ctx, size_t lo, size_t hi) {
+    auto* j = static_cast<CopyJob*>(ctx);
+    copy_here(j->dst + lo, j->src + lo, hi - lo);
+  }, &job);
+}
+
+void reduce(ReduceKernel kernel, size_t unit, void* out, const void* const* in, int n, size_t count) {
+  if (count * unit < kSplitFrom) {
+    kernel(out, in, n, count);
+    return;
+  }
+  ReduceJob job{kernel, unit, static_cast<char*>(out), in, n};
+  split(count, std::max<size_t>(1, 64 / unit), kMinPiece / unit, [](void* ctx, size_t lo, size_t hi) {
+    auto* j = static_cast<ReduceJob*>(ctx);
+    const void* in_at[kMaxReduceInputs];
+    for (int q = 0; q < j->n; ++q) {
+      in_at[q] = static_cast<const char*>(j->in[q]) + lo * j->unit;
+    }
+    j->kernel(j->out + lo * j->unit, in_at, j->n, hi - lo);
+  }, &job);
 }
 
 } // namespace oneccl_bind_pt

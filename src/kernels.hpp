@@ -53,6 +53,13 @@ at::ScalarType kernel_dtype(at::ScalarType dtype);
 // every time with GLIBC_TUNABLES=glibc.cpu.x86_rep_movsb_threshold raised; in the
 // benchmark broadcast from 64 KiB to 4 MiB took 3-5x raw oneCCL's time. A plain
 // forward loop of vector moves takes the same time whatever the offsets.
+// Copies of kSplitFrom (256 KiB) and more are split across the helper threads
+// (helpers.hpp).
 void copy_bytes(void* dst, const void* src, size_t n);
+
+// kernel(out, in, n, count), split across the helper threads from 256 KiB of output;
+// `unit` is the bytes of one element the kernel counts. At most kMaxReduceInputs inputs.
+inline constexpr int kMaxReduceInputs = 128;
+void reduce(ReduceKernel kernel, size_t unit, void* out, const void* const* in, int n, size_t count);
 
 } // namespace oneccl_bind_pt

@@ -1,6 +1,7 @@
 // Registration: the Python extension module `oneccl_bind_pt._C`.
 // The Python package registers the backend with torch.distributed on import.
 #include "errors.hpp"
+#include "helpers.hpp"
 #include "kernels.hpp"
 #include "process_group_ccl.hpp"
 #include "raw.hpp"
@@ -123,6 +124,10 @@ PYBIND11_MODULE(_C, m) {
       "kernels",
       [] { return oneccl_bind_pt::kernels().description; },
       "The shared-memory transport's reduce kernels and copy, and why they were chosen.");
+  m.def(
+      "helpers",
+      [] { return oneccl_bind_pt::helper_plan().description; },
+      "How many helper threads split this process's large copies and reductions, and why.");
   m.def("ccl_runtime_version", &runtime_ccl_version, "oneCCL version loaded at run time.");
   m.attr("ccl_build_version") = std::to_string(CCL_MAJOR_VERSION) + "." +
       std::to_string(CCL_MINOR_VERSION) + "." + std::to_string(CCL_UPDATE_VERSION);

@@ -3,6 +3,7 @@
 #include "checks.hpp"
 #include "errors.hpp"
 #include "dtypes.hpp"
+#include "helpers.hpp"
 #include "kernels.hpp"
 #include "ops.hpp"
 #include "reduce_ops.hpp"
@@ -25,9 +26,9 @@ ProcessGroupCCL::ProcessGroupCCL(
     std::chrono::milliseconds timeout)
     : c10d::Backend(rank, size),
       store_(store),
-      // The kernel choice first: an unknown ONECCL_BIND_PT_KERNELS/_COPY raises here, on
-      // every rank, before the rendezvous, not later inside a collective.
-      comm_((kernels(), std::make_shared<Communicator>(store, rank, size, timeout))),
+      // The kernel and helper choices first: an unknown ONECCL_BIND_PT_KERNELS/_COPY/_HELPERS
+      // raises here, on every rank, before the rendezvous, not later inside a collective.
+      comm_((kernels(), helper_plan(), std::make_shared<Communicator>(store, rank, size, timeout))),
       timeout_(timeout) {}
 
 ProcessGroupCCL::~ProcessGroupCCL() = default;

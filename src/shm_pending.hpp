@@ -13,6 +13,8 @@
 
 namespace oneccl_bind_pt {
 
+static_assert(kMaxRanks <= kMaxReduceInputs, "a reduction takes one input per rank");
+
 // Bytes per unit a collective step counts in: elements of reductions, else bytes.
 inline size_t element_bytes(const Prim& p) {
   return p.red ? c10::elementSize(kernel_dtype(p.red->scalar_type)) : 1;

@@ -9,6 +9,9 @@ also means both paths agree.
 """
 
 import functools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -138,3 +141,130 @@ def test_an_unknown_kernel_or_copy_name_fails_the_group_with_its_name(var):
         run_ranks(_never_runs, 2, env={var: "avx9000"}, timeout=120)
     text = str(caught.value)
     assert f"ValueError: {var}=avx9000 is not one of" in text and "the group was created" not in text, text
+
+
+# ---- helper threads ------------------------------------------------------------------------
+# Large copies and reductions split across helper threads (src/helpers.hpp) where a rank has
+# spare cores. This machine has none, so the default is no helper: here
+# ONECCL_BIND_PT_HELPERS=3 forces them (more threads than cores: slower, not less exact).
+# Sizes are above the 256 KiB split and the 2 MiB staging chunk, with odd tails, through the
+# staging buffers and through single copy; values are worked out from the inputs.
+
+def _helper_threads():
+    import glob
+
+    names = []
+    for comm in glob.glob("/proc/self/task/*/comm"):
+        try:
+            names.append(open(comm).read().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return names.count("ccl-helper")
+
+
+def _helper_split(rank, world, path, helpers):
+    from oneccl_bind_pt import _C
+
+    assert _C.helpers().startswith(f"helpers {helpers} (ONECCL_BIND_PT_HELPERS)"), _C.helpers()
+    taken = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    assert taken._path("allreduce", 8 << 20) == path, taken._path("allreduce", 8 << 20)
+    problems = []
+
+    def check(name, got, want):
+        if not same_bytes(got, want):
+            wrong = (got.view(torch.uint8) != want.view(torch.uint8)).nonzero().flatten()
+            problems.append(f"{name}: {len(wrong)} bytes wrong, the first at byte {wrong[0].item()}")
+
+    n = 3 * (1 << 20) + 7  # 12 MiB of float32: six staging chunks and an odd tail
+    j = torch.arange(n, dtype=torch.float32)
+    t = j + rank
+    dist.all_reduce(t)
+    check("all_reduce float32 SUM", t, j * world + sum(range(world)))
+    for dtype, op in ((torch.bfloat16, "SUM"), (torch.int32, "MAX"), (torch.float64, "MIN")):
+        m = (1 << 19) + 11
+        mine = data(rank, dtype, (m,), salt=m, op=op)
+        got = mine.clone()
+        dist.all_reduce(got, op=reduce_op(op))
+        check(f"all_reduce {dtype} {op}", got, expected_reduction([data(r, dtype, (m,), salt=m, op=op)
+                                                                   for r in range(world)], op, world))
+    t = j + rank
+    dist.reduce(t, dst=world - 1)
+    if rank == world - 1:
+        check("reduce to the last rank", t, j * world + sum(range(world)))
+    k = n // world
+    share = torch.empty(k)
+    dist.reduce_scatter_tensor(share, j[: world * k] + rank)
+    check("reduce_scatter_tensor", share, j[rank * k:(rank + 1) * k] * world + sum(range(world)))
+    out = torch.empty(world * k)
+    all_gather_single(out, j[:k] + rank)
+    check("all_gather_into_tensor", out, (j[:k] + torch.arange(world, dtype=torch.float32).view(world, 1)).flatten())
+    b = (5 << 20) + 13
+    payload = raw_data(1, torch.uint8, (b,), salt=b)
+    got = payload.clone() if rank == 1 else torch.zeros(b, dtype=torch.uint8)
+    dist.broadcast(got, src=1)
+    check("broadcast 5 MiB + 13 B", got, payload)
+    per = (1 << 20) + 3
+    send = torch.cat([raw_data(rank, torch.uint8, (per,), salt=q) for q in range(world)])
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    check("all_to_all_single", recv, torch.cat([raw_data(q, torch.uint8, (per,), salt=rank) for q in range(world)]))
+    return problems, _helper_threads()
+
+
+@pytest.mark.parametrize("path", ["shm", "cma"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_helper_threads_split_large_messages_exactly(world, path):
+    env = {**TRANSPORTS["shm"], "ONECCL_BIND_PT_HELPERS": "3", **PATHS[path]}
+    for rank, (problems, threads) in enumerate(run_ranks(_helper_split, world, path, 3, env=env, timeout=600)):
+        assert not problems, f"rank {rank}: {problems}"
+        assert threads == 3, f"rank {rank}: {threads} helper threads, 3 asked for: the work was never split"
+
+
+def _default_helpers(rank, world):
+    from oneccl_bind_pt import _C
+
+    t = torch.ones(4 << 20)
+    dist.all_reduce(t)
+    assert t[0].item() == t[-1].item() == world
+    return _C.helpers(), _helper_threads(), torch.get_num_threads(), os.environ.get("CCL_LOCAL_SIZE")
+
+
+def _expected_helpers(local, compute, affinity=None):
+    # The rule of src/helpers.hpp, for this machine's CPUs.
+    cpus = len(affinity or os.sched_getaffinity(0))
+    mine = cpus if cpus < os.cpu_count() else max(1, cpus // local)
+    return min(3, max(0, mine - max(1, compute)))
+
+
+def test_default_helpers_leave_the_cores_compute_uses():
+    for rank, (said, threads, compute, local) in enumerate(run_ranks(_default_helpers, 2, timeout=300)):
+        want = _expected_helpers(int(local), compute)
+        assert said.startswith(f"helpers {want} ("), (rank, said, local, compute)
+        assert threads == want, f"rank {rank}: {threads} helper threads, {said}"
+
+
+@pytest.mark.parametrize("local, threads, pinned", [(1, 1, False), (2, 1, False), (1, 64, False), (1, 1, True)],
+                         ids=["alone-1-thread", "2-ranks-1-thread", "alone-64-threads", "pinned-to-one-cpu"])
+def test_helper_count_follows_the_cores_a_rank_has(local, threads, pinned):
+    cpus = sorted(os.sched_getaffinity(0))
+    env = {**os.environ, "CCL_LOCAL_SIZE": str(local), "OMP_NUM_THREADS": str(threads)}
+    env.pop("ONECCL_BIND_PT_HELPERS", None)
+    cmd = [sys.executable, "-c", "import oneccl_bind_pt, torch; print(oneccl_bind_pt._C.helpers(), torch.get_num_threads())"]
+    if pinned:
+        if len(cpus) < 2:
+            pytest.skip("one CPU: no narrower affinity to pin to")
+        cmd = ["taskset", "-c", str(cpus[0]), *cmd]
+    # From /, so that the installed package is imported, not this checkout.
+    said = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    compute = int(said.rsplit(" ", 1)[1])
+    want = _expected_helpers(local, compute, affinity=cpus[:1] if pinned else None)
+    assert said.startswith(f"helpers {want} ("), said
+    if (local, threads, pinned) == (1, 1, False) and len(cpus) >= 2 and len(cpus) == os.cpu_count():
+        assert want >= 1, "a rank alone with one torch thread on a multi-core host gets a helper"
+
+
+def test_an_unknown_helper_count_fails_the_group_with_its_name():
+    with pytest.raises(RankFailure) as caught:
+        run_ranks(_never_runs, 2, env={"ONECCL_BIND_PT_HELPERS": "many"}, timeout=120)
+    text = str(caught.value)
+    assert "ValueError: ONECCL_BIND_PT_HELPERS=many is not a whole number from 0 to 64" in text, text

@@ -4,6 +4,7 @@ import importlib.metadata
 import json
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -272,6 +273,7 @@ def test_doctor_selftest_passes_and_flags_problems(tmp_path):
     for row in [ROW, *OTHER_ROWS]:  # which oneccl_bind_pt goes with which torch
         assert f"oneccl_bind_pt=={row['version']} (Python {', '.join(row['python'])})" in out
     assert "CCL_WORKER_OFFLOAD=0" in out  # the defaults it applied are shown
+    assert re.search(r"\n {17}helpers \d+ \(", out), out  # the helper threads it would use, and why
     # The environment's mpirun exists but no mpirun is on PATH: a problem, with the fix.
     (tmp_path / "nobin").mkdir()
     bad = subprocess.run([sys.executable, "-m", "oneccl_bind_pt.doctor"], cwd=tmp_path,

@@ -51,7 +51,8 @@ def test_run_starts_nothing_past_its_budget(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert [s["name"] for s in summary["steps"]] == ["bench 2 ranks", "bench_ddp 2 ranks x 1 threads"]
+    assert [s["name"] for s in summary["steps"]] == ["bench 2 ranks", "bench 2 ranks, 0 helpers",
+                                                     "bench 2 ranks, 1 helpers", "bench_ddp 2 ranks x 1 threads"]
     assert all(s.get("skipped") == "budget" for s in summary["steps"]), summary
     assert summary["host"]["torch"] == torch.__version__
     assert sorted(p.name for p in out.iterdir()) == ["perf.log", "summary.json"]

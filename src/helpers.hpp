@@ -1,0 +1,36 @@
+// Helper threads: a rank's large copies and reductions on the shared-memory
+// transport split across threads on cores the rank would otherwise leave idle.
+//
+// One pool per process, made at the first split. How many threads comes once,
+// at the first process group's creation, from ONECCL_BIND_PT_HELPERS or from
+// the cores: the CPUs this process may run on (its affinity; an affinity
+// narrower than the host's is taken as this rank's own, else the host's CPUs
+// are shared by the ranks on it, CCL_LOCAL_SIZE), less torch's intra-op threads
+// (at::get_num_threads(), which DDP's compute uses beside the collectives), at
+// most kMaxHelpers. So a host with no spare core gets none, and a rank whose
+// compute uses every core it has gets none.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace oneccl_bind_pt {
+
+struct HelperPlan {
+  int count = 0;            // threads besides the one running the collective
+  std::string description;  // one line for the doctor: the count and why
+};
+
+// Chosen once per process; throws c10::ValueError for an ONECCL_BIND_PT_HELPERS
+// that is not a whole number from 0 to kMaxHelpersAsked.
+const HelperPlan& helper_plan();
+
+// part(ctx, lo, hi) over pieces covering [0, total), each boundary a multiple of
+// `align`, run at once on the helpers and on this thread; returns when all are done.
+// Everything runs on this thread when there are no helpers, the work is under
+// min_per_piece per piece, or the pool is busy with another group's split (never
+// waits for it). Parts must not throw: they are plain memory moves.
+using Part = void (*)(void* ctx, size_t lo, size_t hi);
+void split(size_t total, size_t align, size_t min_per_piece, Part part, void* ctx);
+
+} // namespace oneccl_bind_pt

@@ -137,6 +137,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "release",
                     help="build venvs, and the proof venvs while they are used (default: %(default)s)")
     ap.add_argument("--keep", action="store_true", help="keep the proof venvs (check_wheel's)")
+    ap.add_argument("--prune", action="store_true", help="remove the build venvs once the wheels are built")
     args = ap.parse_args()
     start = time.monotonic()
     dist, work = args.dist.resolve(), args.work.resolve()
@@ -154,7 +155,8 @@ def main() -> int:
     say(f"release files regenerated for oneccl_bind_pt {row['version']} (torch {args.torch}, Python {', '.join(pythons)})")
 
     select = ["--torch", args.torch, *(a for p in pythons for a in ("--python", p))]
-    out = step([sys.executable, SCRIPTS / "build_wheels.py", *select, "--dist", dist, "--work", work])
+    out = step([sys.executable, SCRIPTS / "build_wheels.py", *select, "--dist", dist, "--work", work,
+                *(["--prune"] if args.prune else [])])
     print(out, end="", flush=True)
     out = step([sys.executable, SCRIPTS / "check_wheel.py", *select, "--dist", dist, "--work", work / "check",
                 "--keep"])

@@ -361,3 +361,16 @@ def run_ranks(fn, world, *args, timeout=180, env=None, pg_timeout=60, backend="c
     if problems:
         raise RankFailure("\n".join(problems))
     return [got[r][1] for r in range(world)]
+
+
+def wait_for_disk(path, need_gib, what, timeout=900):
+    """Waits until `path`'s file system has need_gib GiB free (the other xdist worker may hold a
+    CUDA torch's venv that is about to go), polling; fails naming `what` if it never does.
+    Returns the seconds waited."""
+    start = time.monotonic()
+    while (free := shutil.disk_usage(path).free / 2**30) < need_gib:
+        if time.monotonic() - start > timeout:
+            pytest.fail(f"{what} needs {need_gib} GiB free on {path}'s disk; {free:.1f} GiB were still free "
+                        f"after waiting {timeout} s for other tests to release theirs")
+        time.sleep(5)
+    return time.monotonic() - start

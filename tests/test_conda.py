@@ -16,7 +16,7 @@ from harness import communicate, import_or_require, popen
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def conda_proof(python, work, torch=None, cache=None, timeout=1700):
+def conda_proof(python, work, torch=None, cache=None, timeout=1700, lean=False):
     """Runs scripts/conda_offline.py with `python` (whose environment holds the pair's torch and
     the conda tools) and checks its report; returns it. `cache`: the stand-in channel's folder
     (default: the user's cache, reused by the next run)."""
@@ -28,7 +28,7 @@ def conda_proof(python, work, torch=None, cache=None, timeout=1700):
     # Its own session, so a timeout kills the builds and the ranks it started, not only the script.
     proc = popen(
         [python, ROOT / "scripts" / "conda_offline.py", "--work", work / "work",
-         "--json", report, *(["--torch", torch] if torch else []), *(["--cache", cache] if cache else [])],
+         "--json", report, *(["--torch", torch] if torch else []), *(["--cache", cache] if cache else []), *(["--lean"] if lean else [])],
         cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     (out,) = communicate([proc], timeout)
     assert proc.returncode == 0, out[-12000:]

@@ -20,7 +20,7 @@ in a copy of the tree without its entry, the entry put back, then scripts/make_r
 A clean machine downloads each pair's torch once (PyPI's torch for these Pythons is a CUDA
 build: 4.6-7 GB installed each). Each pair's fresh venv
 is removed after its tests, so the run needs one at a time; the build venvs (about 1.4 GB
-each) stay for the next run.
+each) stay for the next run, except under CI (a fresh clone), which removes each once used.
 """
 
 import os
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from harness import run_job
+from harness import run_job, wait_for_disk
 from test_conda import conda_proof
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +43,9 @@ from make_release import clean_env, prove_subset  # noqa: E402
 META = yaml.safe_load((ROOT / "meta" / "releases.yaml").read_text())
 PAIRS = META["ci"]
 WORK = ROOT / "build" / "release"
+# A fresh clone under CI never reuses a build venv (1.4 GB each, six pairs): each goes once its
+# wheel is built. A developer's rerun reuses them.
+PRUNE = ["--prune"] if os.environ.get("CI") else []
 
 
 def _run(cmd, timeout, cwd=ROOT):
@@ -82,7 +85,7 @@ def _via_release_command(pair, tmp, dist):
     tree = _tree_before(tmp, pair["torch"])
     (tree / "meta" / "releases.yaml").write_text((ROOT / "meta" / "releases.yaml").read_text())  # the one edit
     out = _run([sys.executable, "scripts/make_release.py", "--torch", pair["torch"], "--python", pair["python"],
-                "--subset", pair["subset"], "--dist", dist, "--work", WORK], timeout=3600, cwd=tree)
+                "--subset", pair["subset"], "--dist", dist, "--work", WORK, *PRUNE], timeout=3600, cwd=tree)
     # The command wrote what the checkout holds for that release, and named what to publish.
     for name in (f"requirements/torch-{pair['torch']}.txt", "oneccl_bind_pt/_version.py", "README.md",
                  "recipe/conda_build_config.yaml", f"environments/torch-{pair['torch']}-py{pair['python']}.yml"):
@@ -98,6 +101,10 @@ def proven(request, tmp_path_factory):
     dist = tmp_path_factory.mktemp("dist")
     select = ["--torch", pair["torch"], "--python", pair["python"]]
     venv = WORK / "check" / f"venv-torch{pair['torch']}-py{pair['python']}"
+    # Its build venv and the proof venv's CUDA torch: about 7 GB.
+    waited = wait_for_disk(ROOT, 8, f"{_id(pair)}'s build and proof venvs")
+    if waited > 1:
+        print(f"{_id(pair)}: waited {waited:.0f} s for disk", file=sys.stderr)
     start = time.monotonic()
     if pair.get("release_command"):
         built = checked = _via_release_command(pair, tmp_path_factory.mktemp("release"), dist)
@@ -105,7 +112,7 @@ def proven(request, tmp_path_factory):
         yield {"pair": pair, "dist": dist, "venv": None, "built": built, "checked": checked, "subset": built}
         return
     built = _run([sys.executable, "scripts/build_wheels.py", *select, "--dist", dist, "--work", WORK,
-                  *(["--from-sdist"] if pair["from_sdist"] else [])], timeout=3600)
+                  *(["--from-sdist"] if pair["from_sdist"] else []), *PRUNE], timeout=3600)
     build_s = time.monotonic() - start
     start = time.monotonic()
     checked = _run([sys.executable, "scripts/check_wheel.py", *select, "--dist", dist, "--work", WORK / "check",
@@ -152,16 +159,19 @@ def test_conda_package_on_the_pairs_python(proven, tmp_path):
         pytest.skip(f"the conda proof runs on the pair marked conda in meta/releases.yaml, not {_id(pair)}")
     _run([proven["venv"] / "bin" / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
           "--no-compile", *META["pip"]["conda"]["pins"]], timeout=1800)
+    waited = wait_for_disk(tmp_path, 10, f"{_id(pair)}'s conda proof")
     start = time.monotonic()
-    # Its stand-ins (a CUDA torch's nvidia-* libraries) take about 12 GB: not kept for the next run.
+    # Its stand-ins (a CUDA torch's nvidia-* libraries) take about 12 GB at the peak (3 GB of wheels,
+    # 3 GB of packages, 6 GB extracted), 9 GB lean: not kept for the next run.
     cache = tmp_path / "cache"
     try:
-        rep = conda_proof(proven["venv"] / "bin" / "python", tmp_path, torch=pair["torch"], cache=cache, timeout=3000)
+        rep = conda_proof(proven["venv"] / "bin" / "python", tmp_path, torch=pair["torch"], cache=cache, timeout=3000,
+                          lean=True)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
         shutil.rmtree(tmp_path / "work", ignore_errors=True)
     assert rep["python"] == pair["python"] and rep["torch"] == pair["torch"], rep
-    print(f"{_id(pair)}: conda proof {time.monotonic() - start:.0f} s", file=sys.stderr)
+    print(f"{_id(pair)}: conda proof {time.monotonic() - start:.0f} s (waited {waited:.0f} s for disk)", file=sys.stderr)
 
 
 def test_installed_wheel_passes_the_subset(proven):

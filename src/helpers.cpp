@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <pthread.h>
+#include <xmmintrin.h>
 #include <sched.h>
 #include <signal.h>
 #include <unistd.h>
@@ -11,9 +12,13 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <climits>
 #include <cstdlib>
+#include <fstream>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 
 namespace oneccl_bind_pt {
@@ -38,8 +43,84 @@ int env_int(const char* name) {
   return *end || x < 0 ? -1 : static_cast<int>(std::min<long>(x, INT32_MAX));
 }
 
+// The CPUs this process may use when the count is chosen; the helpers run on them
+// (not on whatever a thread that later makes the pool was narrowed to, e.g. by OpenMP).
+cpu_set_t g_mask;
+
+// A "0-7,16,18-19" CPU list's size.
+int count_cpu_list(const std::string& list) {
+  int n = 0;
+  size_t at = 0;
+  while (at < list.size()) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    const std::string part = list.substr(at, comma - at);
+    const size_t dash = part.find('-');
+    try {
+      n += dash == std::string::npos ? 1 : std::stoi(part.substr(dash + 1)) - std::stoi(part.substr(0, dash)) + 1;
+    } catch (const std::exception&) {
+      return 0;
+    }
+    at = comma + 1;
+  }
+  return n;
+}
+
+// What a container (cgroup v2, or v1's cpuset and cpu controllers) allows this
+// process: its cpuset's CPUs and its CPU quota in whole CPUs (0: no limit, or not known).
+struct Container {
+  int cpuset = 0;
+  int quota = 0;
+};
+
+int quota_cpus(long quota, long period) {
+  return quota > 0 && period > 0 ? static_cast<int>(std::max(1L, (quota + period - 1) / period)) : 0;
+}
+
+Container container() {
+  Container box;
+  std::ifstream cgroup("/proc/self/cgroup");
+  std::string line, v2, v1_cpuset, v1_cpu;
+  while (std::getline(cgroup, line)) {
+    // "hierarchy:controllers:path"
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) {
+      continue;
+    }
+    const std::string controllers = "," + line.substr(a + 1, b - a - 1) + ",";
+    const std::string path = line.substr(b + 1) == "/" ? "" : line.substr(b + 1);
+    if (line.rfind("0::", 0) == 0) {
+      v2 = "/sys/fs/cgroup" + path;
+    } else if (controllers.find(",cpuset,") != std::string::npos) {
+      v1_cpuset = "/sys/fs/cgroup/cpuset" + path;
+    } else if (controllers.find(",cpu,") != std::string::npos) {
+      v1_cpu = "/sys/fs/cgroup/" + line.substr(a + 1, b - a - 1) + path;
+    }
+  }
+  std::string list;
+  if (std::ifstream f(v2 + "/cpuset.cpus.effective"); !v2.empty() && f >> list) {
+    box.cpuset = count_cpu_list(list);
+  } else if (std::ifstream g(v1_cpuset + "/cpuset.effective_cpus"); !v1_cpuset.empty() && g >> list) {
+    box.cpuset = count_cpu_list(list);
+  }
+  std::string max;
+  long quota = 0, period = 0;
+  if (std::ifstream f(v2 + "/cpu.max"); !v2.empty() && f >> max >> period) {
+    try {
+      box.quota = max == "max" ? 0 : quota_cpus(std::stol(max), period);
+    } catch (const std::exception&) {
+    }
+  } else if (std::ifstream q(v1_cpu + "/cpu.cfs_quota_us"), r(v1_cpu + "/cpu.cfs_period_us");
+             !v1_cpu.empty() && q >> quota && r >> period) {
+    box.quota = quota_cpus(quota, period);
+  }
+  return box;
+}
+
 HelperPlan choose() {
   HelperPlan plan;
+  CPU_ZERO(&g_mask);
+  const int online = static_cast<int>(std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN)));
+  const int cpus = sched_getaffinity(0, sizeof g_mask, &g_mask) == 0 ? CPU_COUNT(&g_mask) : online;
   if (const char* asked = std::getenv("ONECCL_BIND_PT_HELPERS"); asked && *asked) {
     char* end = nullptr;
     const long x = std::strtol(asked, &end, 10);
@@ -49,39 +130,58 @@ HelperPlan choose() {
     plan.description = "helpers " + std::to_string(plan.count) + " (ONECCL_BIND_PT_HELPERS)";
     return plan;
   }
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  const int online = static_cast<int>(std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN)));
-  const int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : online;
   int local = env_int("CCL_LOCAL_SIZE");
   if (local < 1) {
     local = std::max(1, env_int("LOCAL_WORLD_SIZE"));
   }
-  // A set narrower than the host's: the launcher gave this rank its own cores.
-  const bool pinned = cpus < online;
-  const int mine = pinned ? cpus : std::max(1, cpus / local);
+  const Container box = container();
+  const int allowed = box.cpuset > 0 ? std::min(box.cpuset, online) : online;
+  // A set narrower than what the host or container allows is this rank's own (a
+  // launcher pinned it), unless it is too wide for every rank to have one like it.
+  const bool pinned = cpus < allowed && static_cast<long>(cpus) * local <= allowed;
+  int mine = pinned ? cpus : std::max(1, cpus / local);
+  // A CPU quota is the container's, shared by all its ranks.
+  const bool quota = box.quota > 0 && box.quota / local < mine;
+  if (quota) {
+    mine = std::max(1, box.quota / local);
+  }
   const int compute = std::max(1, at::get_num_threads());
   plan.count = std::clamp(mine - compute, 0, kMaxHelpers);
   auto of = [](int n, const char* what) { return std::to_string(n) + " " + what + (n == 1 ? "" : "s"); };
   plan.description = "helpers " + std::to_string(plan.count) + " (" + of(mine, "core") + " for this rank: " +
-      (pinned ? of(cpus, "CPU") + " in its affinity" : of(cpus, "CPU") + " / " + of(local, "rank") + " on this host") +
+      (quota ? "a CPU quota of " + of(box.quota, "CPU") + " / " + of(local, "rank")
+             : pinned ? of(cpus, "CPU") + " in its affinity"
+                      : of(cpus, "CPU") + " / " + of(local, "rank") + " on this host") +
       "; less " + of(compute, "torch thread") + "; at most " + std::to_string(kMaxHelpers) +
       "; ONECCL_BIND_PT_HELPERS sets it)";
   return plan;
 }
 
+// The pieces of a split are claimed, not assigned: the caller claims them too, so a
+// helper that is slow to wake (asleep, or its core busy) never delays the split; the
+// caller only waits for pieces already under way.
 class Pool {
  public:
-  explicit Pool(int helpers) : helpers_(helpers) {
-    // Helpers take no signals: Python's handlers and the launchers' signals stay the
-    // main thread's business.
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, &old);
-    for (int i = 1; i <= helpers_; ++i) {
-      std::thread([this, i] { loop(i); }).detach();
+  explicit Pool(int helpers) {
+    // Helpers take no asynchronous signals: Python's handlers and the launchers' signals
+    // stay the main thread's business. A fault in a helper still reaches the handlers.
+    sigset_t mask, old;
+    sigfillset(&mask);
+    for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, SIGTRAP}) {
+      sigdelset(&mask, sig);
     }
-    pthread_sigmask(SIG_SETMASK, &old, nullptr);
+    pthread_sigmask(SIG_BLOCK, &mask, &old);
+    struct Restore {
+      sigset_t* old;
+      ~Restore() { pthread_sigmask(SIG_SETMASK, old, nullptr); }
+    } restore{&old};
+    for (int i = 0; i < helpers; ++i) {
+      try {
+        std::thread([this] { loop(); }).detach();
+      } catch (const std::system_error&) {
+        break; // no more threads to be had (a pids limit): fewer helpers, the caller claims the rest
+      }
+    }
   }
 
   // False when another thread's split holds the pool.
@@ -92,16 +192,18 @@ class Pool {
     }
     total_ = total;
     align_ = align;
-    pieces_ = pieces;
     part_ = part;
     ctx_ = ctx;
-    remaining_.store(helpers_, std::memory_order_relaxed);
-    generation_.fetch_add(1, std::memory_order_release);
+    csr_ = _mm_getcsr(); // the caller's rounding and denormal modes, for every piece
+    done_.store(0, std::memory_order_relaxed);
+    const uint32_t g = ++generation_count_;
+    // Publishes the fields above to whoever claims a piece of generation g.
+    claims_.store(pack(g, pieces, 0), std::memory_order_release);
+    // A read-modify-write: notify_all's check for sleepers cannot move ahead of it.
+    generation_.exchange(static_cast<int>(g), std::memory_order_seq_cst);
     generation_.notify_all();
-    piece(0);
-    // Every helper takes part in every generation (the next starts after this
-    // wait), so each one's piece is a bounded memory move that is under way.
-    for (unsigned spins = 0; remaining_.load(std::memory_order_acquire) != 0;) {
+    work(g);
+    for (unsigned spins = 0; done_.load(std::memory_order_acquire) != pieces;) {
       // Yields too: with helpers asked for beyond the cores, a helper needs this core.
       if (++spins > 64) {
         std::this_thread::yield();
@@ -113,21 +215,41 @@ class Pool {
   }
 
  private:
-  void piece(int i) const {
-    if (i >= pieces_) {
-      return;
-    }
-    const size_t per = (total_ / align_ + pieces_ - 1) / pieces_ * align_;
-    const size_t lo = std::min(total_, per * i);
-    const size_t hi = i + 1 == pieces_ ? total_ : std::min(total_, lo + per);
-    if (hi > lo) {
-      part_(ctx_, lo, hi);
+  // claims_: generation (32 bits), pieces (16), next piece to claim (16).
+  static uint64_t pack(uint32_t g, int pieces, int next) {
+    return uint64_t{g} << 32 | uint64_t(pieces) << 16 | uint64_t(next);
+  }
+
+  // Claims and runs pieces of generation g until none is left; a generation that is
+  // over (its pieces all claimed, or a newer one posted) is left alone.
+  void work(uint32_t g) {
+    for (;;) {
+      uint64_t c = claims_.load(std::memory_order_acquire);
+      int pieces, i;
+      do {
+        pieces = static_cast<int>((c >> 16) & 0xffff);
+        i = static_cast<int>(c & 0xffff);
+        if (static_cast<uint32_t>(c >> 32) != g || i >= pieces) {
+          return;
+        }
+      } while (!claims_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel, std::memory_order_acquire));
+      // Claimed: the fields stay as they are until done_ counts this piece.
+      if (_mm_getcsr() != csr_) {
+        _mm_setcsr(csr_);
+      }
+      const size_t per = (total_ / align_ + pieces - 1) / pieces * align_;
+      const size_t lo = std::min(total_, per * i);
+      const size_t hi = i + 1 == pieces ? total_ : std::min(total_, lo + per);
+      if (hi > lo) {
+        part_(ctx_, lo, hi);
+      }
+      done_.fetch_add(1, std::memory_order_release);
     }
   }
 
-  void loop(int index) {
+  void loop() {
     pthread_setname_np(pthread_self(), "ccl-helper");
-    // 0, not a load: a thread that starts after the first split was posted must still take it.
+    pthread_setaffinity_np(pthread_self(), sizeof g_mask, &g_mask);
     int seen = 0;
     for (;;) {
       const auto until = std::chrono::steady_clock::now() + kSpinFor;
@@ -140,20 +262,21 @@ class Pool {
         }
       }
       seen = now;
-      piece(index);
-      remaining_.fetch_sub(1, std::memory_order_release);
+      work(static_cast<uint32_t>(now));
     }
   }
 
-  const int helpers_;
   std::mutex use_;
-  std::atomic<int> generation_{0};
-  std::atomic<int> remaining_{0};
-  // The split under way: written before generation_ is bumped (release), read after.
-  size_t total_ = 0, align_ = 1;
-  int pieces_ = 0;
+  uint32_t generation_count_ = 0;                // the caller's, under use_
+  alignas(64) std::atomic<int> generation_{0};   // what helpers sleep on
+  alignas(64) std::atomic<uint64_t> claims_{0};
+  alignas(64) std::atomic<int> done_{0};
+  // The split under way: written before claims_ (release), read after a claim.
+  alignas(64) size_t total_ = 0;
+  size_t align_ = 1;
   Part part_ = nullptr;
   void* ctx_ = nullptr;
+  unsigned csr_ = 0;
 };
 
 // Made at the first split; a forked child (whose copy has no threads) makes its own.
@@ -171,6 +294,9 @@ Pool* pool() {
     return p;
   }
   pthread_mutex_lock(&g_making);
+  struct Unlock {
+    ~Unlock() { pthread_mutex_unlock(&g_making); }
+  } unlock;
   p = g_pool.load(std::memory_order_acquire);
   if (!p) {
     static const bool registered = (pthread_atfork(nullptr, nullptr, forget_pool_in_child), true);
@@ -178,7 +304,6 @@ Pool* pool() {
     p = new Pool(helper_plan().count); // lives as long as the process
     g_pool.store(p, std::memory_order_release);
   }
-  pthread_mutex_unlock(&g_making);
   return p;
 }
 

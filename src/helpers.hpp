@@ -3,12 +3,15 @@
 //
 // One pool per process, made at the first split. How many threads comes once,
 // at the first process group's creation, from ONECCL_BIND_PT_HELPERS or from
-// the cores: the CPUs this process may run on (its affinity; an affinity
-// narrower than the host's is taken as this rank's own, else the host's CPUs
-// are shared by the ranks on it, CCL_LOCAL_SIZE), less torch's intra-op threads
-// (at::get_num_threads(), which DDP's compute uses beside the collectives), at
-// most kMaxHelpers. So a host with no spare core gets none, and a rank whose
-// compute uses every core it has gets none.
+// the cores this rank has: its CPU affinity if a launcher narrowed it below what
+// the host or container allows (and every local rank could have a set that
+// size), else those CPUs divided by the ranks on this host (CCL_LOCAL_SIZE),
+// and no more than a container's CPU quota divided the same way; less torch's
+// intra-op threads (at::get_num_threads(), which DDP's compute uses beside the
+// collectives), at most 3. So a host with no spare core gets none, and a rank
+// whose compute uses every core it has gets none. Helpers run on the CPUs the
+// process had then, take no asynchronous signals, spin 50 us after a split,
+// then sleep; a thread that cannot be started leaves fewer helpers.
 #pragma once
 
 #include <cstddef>

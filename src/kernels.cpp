@@ -197,6 +197,7 @@ void reduce(ReduceKernel kernel, size_t unit, void* out, const void* const* in, 
     kernel(out, in, n, count);
     return;
   }
+  TORCH_INTERNAL_ASSERT(n <= kMaxReduceInputs, "ccl: a reduction of ", n, " inputs; at most ", kMaxReduceInputs);
   ReduceJob job{kernel, unit, static_cast<char*>(out), in, n};
   split(count, std::max<size_t>(1, 64 / unit), kMinPiece / unit, [](void* ctx, size_t lo, size_t hi) {
     auto* j = static_cast<ReduceJob*>(ctx);

@@ -58,7 +58,8 @@ at::ScalarType kernel_dtype(at::ScalarType dtype);
 void copy_bytes(void* dst, const void* src, size_t n);
 
 // kernel(out, in, n, count), split across the helper threads from 256 KiB of output;
-// `unit` is the bytes of one element the kernel counts. At most kMaxReduceInputs inputs.
+// `unit` is the bytes of one element the kernel counts. At most kMaxReduceInputs inputs;
+// `out` may be one of them exactly (not overlap one at another offset).
 inline constexpr int kMaxReduceInputs = 128;
 void reduce(ReduceKernel kernel, size_t unit, void* out, const void* const* in, int n, size_t count);
 

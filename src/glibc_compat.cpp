@@ -11,6 +11,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <time.h>
 
@@ -52,6 +53,12 @@ FORWARD(int, pthread_getaffinity_np, (pthread_t t, size_t n, cpu_set_t* s),
 OLD_VERSION(pthread_attr_setaffinity_np, "GLIBC_2.3.4")
 FORWARD(int, pthread_attr_setaffinity_np,
         (pthread_attr_t * a, size_t n, const cpu_set_t* s), (a, n, s))
+OLD_VERSION(pthread_mutex_trylock, "GLIBC_2.2.5")
+FORWARD(int, pthread_mutex_trylock, (pthread_mutex_t * m), (m))
+OLD_VERSION(pthread_setname_np, "GLIBC_2.12")
+FORWARD(int, pthread_setname_np, (pthread_t t, const char* name), (t, name))
+OLD_VERSION(pthread_sigmask, "GLIBC_2.2.5")
+FORWARD(int, pthread_sigmask, (int how, const sigset_t* set, sigset_t* old), (how, set, old))
 // Not in the headers: pthread_key_create's alias, which libstdc++'s headers call.
 extern "C" int __pthread_key_create(pthread_key_t*, void (*)(void*));
 OLD_VERSION(__pthread_key_create, "GLIBC_2.2.5")

@@ -21,14 +21,17 @@ namespace oneccl_bind_pt {
 using ReduceKernel = void (*)(void* out, const void* const* in, int n, size_t count);
 
 // The instruction sets the kernels and the copy loop are compiled for, in order.
-enum class Isa { Baseline, Avx2, Avx512, Invalid };
+// Avx512Bf16 is Avx512 plus AVX512_BF16's conversion, for bfloat16 kernels.
+enum class Isa { Baseline, Avx2, Avx512, Avx512Bf16, Invalid };
 
 // What this process uses: chosen once from the CPU (AVX2 where it has it, AVX-512
-// only when asked), then ONECCL_BIND_PT_KERNELS (avx512, avx2, baseline) and
+// only when asked, except bfloat16's with AVX512_BF16), then ONECCL_BIND_PT_KERNELS
+// (avx512bf16, avx512, avx2, baseline: every kernel at most that) and
 // ONECCL_BIND_PT_COPY (glibc, loop). The first call throws
 // c10::ValueError for a value it does not know; the group's constructor makes it.
 struct Kernels {
   Isa isa = Isa::Baseline;  // the reduce kernels' and the copy loop's
+  Isa bf16_isa = Isa::Baseline; // bfloat16's kernels
   Isa best = Isa::Baseline; // the best this CPU runs
   bool glibc_copy = false;  // copies of 4 KiB and more through glibc's memcpy
   const char* why = "";

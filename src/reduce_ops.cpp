@@ -7,8 +7,9 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <array>
+#include <atomic>
 #include <functional>
-#include <map>
 #include <mutex>
 
 namespace oneccl_bind_pt {
@@ -110,6 +111,7 @@ Reduction make_reduction(
   r.scalar_type = dtype;
   r.kind = kind;
   r.dtype = *ccl_type;
+  r.kernel = reduce_kernel(dtype, kind);
   const bool is_bool = dtype == at::kBool;
   const bool is_complex = at::isComplexType(dtype);
   const bool is_float = at::isFloatingType(dtype);
@@ -198,20 +200,31 @@ std::shared_ptr<const Reduction> resolve_reduction(
   if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
     return std::make_shared<const Reduction>(make_reduction(op_name, op, dtype));
   }
-  // Building one copies a oneCCL attribute and allocates: once per (op, dtype).
-  static std::mutex mutex;
-  static std::map<std::pair<int, int>, std::shared_ptr<const Reduction>> cache;
-  const auto key = std::make_pair(static_cast<int>(op.op_), static_cast<int>(dtype));
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = cache.find(key);
-    if (it != cache.end()) {
-      return it->second;
+  // Every collective with a reduce op comes here: a lock-free read of a table by
+  // (op, dtype). Building an entry copies a oneCCL attribute and allocates, so it
+  // is made once, under a lock, and kept for the process (at most kOps x kTypes).
+  constexpr size_t kOps = 16;
+  constexpr size_t kTypes = 64;
+  static std::array<std::atomic<const Reduction*>, kOps * kTypes> made{};
+  static std::mutex making;
+  const auto o = static_cast<size_t>(op.op_);
+  const auto d = static_cast<size_t>(dtype);
+  if (o >= kOps || d >= kTypes) { // not a reduce op or dtype of this torch: the refusal
+    return std::make_shared<const Reduction>(make_reduction(op_name, op, dtype));
+  }
+  auto& slot = made[o * kTypes + d];
+  const Reduction* r = slot.load(std::memory_order_acquire);
+  if (!r) {
+    auto fresh = std::make_unique<const Reduction>(make_reduction(op_name, op, dtype)); // throws if refused
+    std::lock_guard<std::mutex> lock(making);
+    r = slot.load(std::memory_order_acquire);
+    if (!r) {
+      r = fresh.release();
+      slot.store(r, std::memory_order_release);
     }
   }
-  auto made = std::make_shared<const Reduction>(make_reduction(op_name, op, dtype)); // throws if refused
-  std::lock_guard<std::mutex> lock(mutex);
-  return cache.emplace(key, std::move(made)).first->second;
+  // Not owned: the entry lives as long as the process.
+  return std::shared_ptr<const Reduction>(std::shared_ptr<const Reduction>(), r);
 }
 
 } // namespace oneccl_bind_pt

@@ -2,6 +2,8 @@
 // the backend does around the call (pre-scaling, averaging, bitwise kernels).
 #pragma once
 
+#include "kernels.hpp"
+
 #include <ATen/core/Tensor.h>
 #include <oneapi/ccl.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -20,6 +22,9 @@ struct Reduction {
   // Bitwise ops run as a custom reduction function. oneCCL accepts custom
   // functions for allreduce only, so reduce/reduce_scatter go through allreduce.
   ccl::reduction_fn custom_fn = nullptr;
+  // The shared-memory transport's kernel (kernels.hpp), looked up once here rather
+  // than per chunk; nullptr when it has none for this op and dtype.
+  ReduceKernel kernel = nullptr;
   int64_t items_per_element = 1; // complex values reduce as (re, im) pairs
   bool average = false;          // AVG: oneCCL's CPU path has none; SUM then divide
   bool premul = false;           // PREMUL_SUM: scale inputs, then SUM
@@ -45,8 +50,9 @@ struct Reduction {
 
 // Resolves op x dtype for collective `op_name`; throws an ArgumentError /
 // ArgumentTypeError naming the op, the reduce op, the dtype and what is
-// accepted instead. Shared and cached per (op, dtype), except PREMUL_SUM,
-// whose factor differs per call.
+// accepted instead. Made once per (op, dtype) and kept for the process, with no
+// lock on the way to one already made, except PREMUL_SUM, whose factor differs
+// per call.
 std::shared_ptr<const Reduction> resolve_reduction(
     const char* op_name,
     const c10d::ReduceOp& op,

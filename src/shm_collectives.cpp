@@ -105,7 +105,7 @@ void ShmPending::stage(const Prim& p) {
       default:
         break;
     }
-    const bool kernel_ok = !p.red || reduce_kernel(p.red->scalar_type, p.red->kind) != nullptr;
+    const bool kernel_ok = !p.red || p.red->kernel != nullptr;
     const Route r = shm_.limits_.route(p.kind, bytes, shm_.single_copy_);
     fits = kernel_ok && r != Route::OneCCL;
     single = fits && r == Route::Cma;
@@ -297,7 +297,7 @@ bool ShmPending::move(const Prim& p) {
       return true;
     case Prim::Kind::Allreduce: {
       if (w * unit <= kOneMeetingBytes) {
-        reduce(reduce_kernel(p.red->scalar_type, p.red->kind), unit, dst + lo * unit, in, n, w);
+        reduce(p.red->kernel, unit, dst + lo * unit, in, n, w);
         return true;
       }
       // Reduce our slice in place in our own buffer (peers only read other
@@ -307,14 +307,14 @@ bool ShmPending::move(const Prim& p) {
       for (int q = 0; q < n; ++q) {
         slice_in[q] = static_cast<const char*>(in[q]) + slo * unit;
       }
-      reduce(reduce_kernel(p.red->scalar_type, p.red->kind), unit, shm_.buffer(me, step_) + slo * unit, slice_in, n, shi - slo);
+      reduce(p.red->kernel, unit, shm_.buffer(me, step_) + slo * unit, slice_in, n, shi - slo);
       store_release(shm_.reduced(me), step_);
       phase_ = Phase::Reduced;
       return finish_two_meetings(p);
     }
     case Prim::Kind::Reduce:
       if (p.peer == me) {
-        reduce(reduce_kernel(p.red->scalar_type, p.red->kind), unit, dst + lo * unit, in, n, w);
+        reduce(p.red->kernel, unit, dst + lo * unit, in, n, w);
       }
       return true;
     case Prim::Kind::ReduceScatter: {
@@ -322,7 +322,7 @@ bool ShmPending::move(const Prim& p) {
       for (int q = 0; q < n; ++q) {
         share_in[q] = static_cast<const char*>(in[q]) + me * w * unit;
       }
-      reduce(reduce_kernel(p.red->scalar_type, p.red->kind), unit, dst + lo * unit, share_in, n, w);
+      reduce(p.red->kernel, unit, dst + lo * unit, share_in, n, w);
       return true;
     }
     case Prim::Kind::Broadcast:

@@ -45,7 +45,7 @@ bool ShmPending::move_single_copy(const Prim& p) {
       const auto [slo, shi] = slice(w, me);
       read_shares(lo + slo, shi - slo);
       if (shi > slo) {
-        reduce(reduce_kernel(p.red->scalar_type, p.red->kind), unit, dst + (lo + slo) * unit, in, n, shi - slo);
+        reduce(p.red->kernel, unit, dst + (lo + slo) * unit, in, n, shi - slo);
       }
       store_release(shm_.reduced(me), step_);
       phase_ = Phase::Reduced;
@@ -54,13 +54,13 @@ bool ShmPending::move_single_copy(const Prim& p) {
     case Prim::Kind::Reduce:
       if (p.peer == me && w > 0) {
         read_shares(lo, w);
-        reduce(reduce_kernel(p.red->scalar_type, p.red->kind), unit, dst + lo * unit, in, n, w);
+        reduce(p.red->kernel, unit, dst + lo * unit, in, n, w);
       }
       return true;
     case Prim::Kind::ReduceScatter:
       if (w > 0) {
         read_shares(me * p.count + lo, w);
-        reduce(reduce_kernel(p.red->scalar_type, p.red->kind), unit, dst + lo * unit, in, n, w);
+        reduce(p.red->kernel, unit, dst + lo * unit, in, n, w);
       }
       return true;
     case Prim::Kind::Broadcast:

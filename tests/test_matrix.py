@@ -85,9 +85,56 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-ISA_FLAGS = {"baseline": set(), "avx2": {"avx2", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}
+ISA_FLAGS = {"baseline": set(), "avx2": {"avx2", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+             "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}}
 KERNEL_PATHS = [(isa, copy) for isa in ISA_FLAGS for copy in ("loop", "glibc")]
 ODD = 3 * 4096 + 37  # elements
+
+
+def _bf16(words) -> torch.Tensor:
+    words = torch.tensor(words, dtype=torch.int32)
+    return torch.where(words >= 0x8000, words - 0x10000, words).to(torch.int16).view(torch.bfloat16)
+
+
+# bfloat16 values where AVX512_BF16's conversion differs from rounding to nearest even (it
+# flushes denormals and keeps NaN payloads) or could: each in a 16-value group of its own
+# (the conversion's width), at lane 5 among ordinary values: (rank 0's, rank 1's).
+BF16_SPECIALS = [(0x0001, 0x0002), (0x7F81, 0x3F80), (0xFFC1, 0x3F80), (0x8000, 0x0000), (0x7F80, 0x3F80),
+                 (0x7F7F, 0x7B00), (0x0081, 0x8080), (0x3F81, 0x3F81)]  # denormals, signalling NaN, NaN
+# with a sign and payload, zeros, infinity, a sum halfway to infinity, normals summing to a
+# denormal, ordinary
+
+
+def _bf16_specials(rank: int, specials=BF16_SPECIALS, tail=(0x0001, 0x0000)) -> torch.Tensor:
+    words = []
+    for g, pair in enumerate(specials):
+        group = [0x3F80 + ((g * 16 + k + rank) % 64) for k in range(16)]
+        group[5] = pair[rank] if rank < 2 else 0x3F80
+        words += group
+    return _bf16(words + [tail[rank] if rank < 2 else 0x3F80] + [0x4000 + rank] * 4)  # and a tail of 5
+
+
+def _rounded_bf16(acc: torch.Tensor) -> torch.Tensor:
+    """float32 -> bfloat16 bits, rounded to nearest even, a NaN as 0x7FC0 (c10::BFloat16's
+    scalar rounding; torch's vectorized one makes 0xFFFF, so it is worked out here)."""
+    words = acc.view(torch.int32)
+    rounded = ((words + 0x7FFF + ((words >> 16) & 1)) >> 16) & 0xFFFF
+    return torch.where(acc.isnan(), torch.full_like(rounded, 0x7FC0), rounded)
+
+
+def _check_bf16_specials(rank, world, op, make, failures, what):
+    t = make(rank)
+    dist.all_reduce(t, op=reduce_op(op))
+    torch.set_flush_denormal(False)  # the expected values without flushing, whatever the rank uses
+    acc = make(0).float()
+    for r in range(1, world):
+        x = make(r).float()
+        acc = acc + x if op == "SUM" else torch.minimum(acc, x) if op == "MIN" else torch.maximum(acc, x)
+    expected, got = _rounded_bf16(acc), t.view(torch.int16).to(torch.int32) & 0xFFFF
+    if not torch.equal(got, expected):
+        bad = (got != expected).nonzero().flatten()[:5].tolist()
+        failures.append(f"all_reduce {op} bfloat16 {what}: elements {bad} are {[hex(v) for v in got[bad].tolist()]}, "
+                        f"expected {[hex(v) for v in expected[bad].tolist()]}")
 
 
 def _kernel_path(rank, world, isa, copy):
@@ -95,8 +142,18 @@ def _kernel_path(rank, world, isa, copy):
 
     expect_transport()  # the kernels and copies are the shared-memory transport's
     chosen = _C.kernels()
-    assert chosen.startswith(f"kernels {isa} (ONECCL_BIND_PT_KERNELS;") and f"copy {'glibc' if copy == 'glibc' else 'loop ' + isa} (" in chosen, chosen
+    named = "avx512, bfloat16 avx512bf16" if isa == "avx512bf16" else isa  # the loop is avx512's
+    loop = "avx512" if isa == "avx512bf16" else isa
+    assert chosen.startswith(f"kernels {named} (ONECCL_BIND_PT_KERNELS;") and f"copy {'glibc' if copy == 'glibc' else 'loop ' + loop} (" in chosen, chosen
     failures = []
+    for op in ("SUM", "MIN", "MAX"):
+        _check_bf16_specials(rank, world, op, _bf16_specials, failures, "specials")
+    # MIN and MAX carry a denormal through under denormals-are-zero (torch.set_flush_denormal),
+    # in a group with no NaN: the kernels must still round it, not flush it.
+    torch.set_flush_denormal(True)
+    _check_bf16_specials(rank, world, "MAX", functools.partial(_bf16_specials, specials=[(0x007F, 0xBF80)] * 2,
+                                                               tail=(0x3F80, 0x3F80)), failures, "denormal under DAZ")
+    torch.set_flush_denormal(False)
     for dtype_name, dtype in {**FLOATS, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}.items():
         for op in ("SUM", "PRODUCT", "MIN", "MAX", "BXOR"):
             if not accepted(op, dtype):

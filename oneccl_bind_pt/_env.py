@@ -40,13 +40,16 @@ FI_SHM_DISABLE_CMA         ``1``                       libfabric's shared-memory
                                                        collectives) made that copy loop
                                                        for good, past any timeout. Not
                                                        slower here (docs/performance.md).
-CCL_WORKER_OFFLOAD         ``0``                       oneCCL's default worker thread
-                                                       busy-polls beside every rank; on
-                                                       hosts with fewer spare cores than
-                                                       ranks it makes each op ~8 ms. With
-                                                       0 the op progresses in the thread
-                                                       that waits for it (or in our
-                                                       background thread for Futures).
+CCL_WORKER_OFFLOAD         ``0``, unless               oneCCL's worker thread busy-polls
+                           ONECCL_BIND_PT_WORKERS      while an op is under way; where a
+                           asks for workers (then      rank has no spare core that makes
+                           also CCL_WORKER_COUNT and   each op ~8 ms. With 0 an op
+                           CCL_WORKER_AFFINITY,        progresses in the thread that waits
+                           worker_plan)                for it (or our background thread
+                                                       for Futures). Workers stay off
+                                                       unless asked: with them oneCCL
+                                                       matched point-to-point messages
+                                                       between two ranks out of order.
 CCL_KVS_IFACE              ``lo`` when every rank is   oneCCL's bootstrap listener binds
                            on this host, else the NIC  the interface the job uses, not the
                            that routes to rank 0's     first NIC it finds (nor all of them),
@@ -64,9 +67,9 @@ TORCH_INCLUDE_STACK_TRACE  ``0``                       torch 2.15 dumps its flig
                                                        every collective; 1 adds the stacks.
 =========================  ==========================  =====================================
 
-If CCL_WORKER_COUNT or CCL_WORKER_AFFINITY is set, we leave CCL_WORKER_OFFLOAD
-alone: the user is managing oneCCL's worker threads (the classic torch-ccl
-tuning on large hosts).
+If CCL_WORKER_COUNT, CCL_WORKER_AFFINITY or CCL_WORKER_OFFLOAD is set, we leave
+all three alone: the user is managing oneCCL's worker threads (the classic
+torch-ccl tuning on large hosts).
 
 Launcher mapping (RANK, WORLD_SIZE, ... from srun, mpirun, ...) lives in
 _launchers.py.
@@ -82,6 +85,14 @@ from collections.abc import MutableMapping
 
 # Variables this module set, and the value: `doctor` shows them as ours.
 applied: dict[str, str] = {}
+# Why this process has the oneCCL worker threads it has (worker_plan), for `doctor`.
+workers_why = ""
+
+WORKER_VARS = ("CCL_WORKER_COUNT", "CCL_WORKER_AFFINITY", "CCL_WORKER_OFFLOAD")
+# oneCCL's own default is 1 worker. The one many-core figure (a 16-core Xeon, 4 ranks of 4
+# cores, allgather 16 MiB: 1,583 us with 2 workers, 2,692 without) is with 2.
+MAX_WORKERS = 2
+MAX_WORKERS_ASKED = 64
 
 def _set_default(env: MutableMapping[str, str], name: str, value: str) -> None:
     if name not in env:
@@ -146,6 +157,103 @@ def _master_host(store, env: MutableMapping[str, str]) -> str | None:
     return env.get("MASTER_ADDR")
 
 
+def core_of(cpu: int) -> tuple[int, int]:
+    """(package, core) of a logical CPU, from sysfs; (0, cpu) where that is not readable."""
+    topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+    try:
+        with open(topology + "physical_package_id") as package, open(topology + "core_id") as core:
+            return int(package.read()), int(core.read())
+    except (OSError, ValueError):
+        return 0, cpu
+
+
+def _workers_asked(env: MutableMapping[str, str]) -> int | str | None:
+    asked = env.get("ONECCL_BIND_PT_WORKERS", "")
+    if not asked or asked == "auto":
+        return asked or None
+    if not asked.isdigit() or int(asked) > MAX_WORKERS_ASKED:
+        raise ValueError(f"ONECCL_BIND_PT_WORKERS={asked} is not auto or a whole number from 0 to {MAX_WORKERS_ASKED}")
+    return int(asked)
+
+
+# Why workers are off unless asked for (docs/multi-node.md, "oneCCL's worker threads").
+OFF_BY_DEFAULT = ("off unless asked: with them oneCCL matched point-to-point messages between two ranks out "
+                  "of send order; ONECCL_BIND_PT_WORKERS=auto chooses by the cores, =N sets the count")
+
+
+def worker_plan(env: MutableMapping[str, str], *, local_rank: int, local_size: int, oneccl_carries: bool,
+                cores: int, pinned: bool, torch_threads: int, cpus: list[int],
+                core_of=core_of) -> tuple[int, list[int], str]:
+    """oneCCL worker threads for this rank: (count, the CPUs they run on, why).
+
+    None unless ONECCL_BIND_PT_WORKERS asks (OFF_BY_DEFAULT says why). With `auto`: none where
+    our shared memory carries the collectives (oneCCL has nothing to progress) and none where
+    the rank's cores (`cores`, from _C.rank_cores) less torch's intra-op threads leave fewer
+    than 2: a worker busy-polls while an op is under way, and so does the thread that waits
+    for it; otherwise 1 worker, 2 from 3 spare cores. With a number, that many. They go on
+    distinct physical cores (`core_of`: SMT siblings count as one), the last ones of the rank's
+    own: its block of the host's cores by local rank, or, when a launcher pinned it (`pinned`),
+    its own CPUs, taken further from the end for each local rank before it, so that ranks given
+    one shared set (a job-wide taskset) do not share workers' cores.
+    """
+    asked = _workers_asked(env)
+    spare = cores - torch_threads
+    if asked is None:
+        count, why = 0, OFF_BY_DEFAULT
+    elif asked != "auto":
+        count, why = asked, "ONECCL_BIND_PT_WORKERS"
+    elif not oneccl_carries:
+        count, why = 0, "auto: every rank is on this host: our shared memory carries the collectives"
+    else:
+        count = 0 if spare < 2 else min(MAX_WORKERS, spare - 1)
+        why = (f"auto: {cores} core{'s' * (cores != 1)} for this rank less {torch_threads} torch "
+               f"thread{'s' * (torch_threads != 1)}: {max(spare, 0)} spare; 1 worker from 2 spare, "
+               f"{MAX_WORKERS} from 3")
+    if count == 0:
+        return 0, [], why
+    siblings: dict[tuple[int, int], list[int]] = {}
+    for cpu in sorted(cpus, key=lambda c: (*core_of(c), c)):
+        siblings.setdefault(core_of(cpu), []).append(cpu)
+    physical = list(siblings.values())  # each core's logical CPUs, cores in order
+    skip = 0
+    if pinned:
+        skip = local_rank * count if (local_rank + 1) * count < len(physical) else 0
+    elif local_size > 1:
+        per = max(1, len(physical) // local_size)
+        physical = physical[local_rank * per:(local_rank + 1) * per] or physical[-per:]
+    end = len(physical) - skip
+    # One CPU (the first thread) of each of the last cores; cycled when a forced count is
+    # larger than the cores there are.
+    return count, [physical[(end - count + i) % len(physical)][0] for i in range(count)], why
+
+
+def _apply_worker_defaults(env: MutableMapping[str, str], oneccl_carries: bool) -> None:
+    global workers_why
+    _workers_asked(env)  # a bad value fails the group whoever manages the workers
+    if any(v in env for v in WORKER_VARS):
+        workers_why = "CCL_WORKER_* set by you"
+        return
+    import torch
+
+    from . import _C
+
+    # The local layout oneCCL will read (the user's CCL_LOCAL_* if set).
+    local_rank, local_size = int(env["CCL_LOCAL_RANK"]), int(env["CCL_LOCAL_SIZE"])
+    cores, pinned, cores_why = _C.rank_cores(local_size)
+    count, cpus, why = worker_plan(env, local_rank=local_rank, local_size=local_size, oneccl_carries=oneccl_carries,
+                                   cores=cores, pinned=pinned, torch_threads=max(1, torch.get_num_threads()),
+                                   cpus=list(os.sched_getaffinity(0)))
+    workers_why = f"{why}; cores: {cores_why}" if env.get("ONECCL_BIND_PT_WORKERS") == "auto" and oneccl_carries else why
+    if count == 0:
+        _set_default(env, "CCL_WORKER_OFFLOAD", "0")
+        return
+    _set_default(env, "CCL_WORKER_OFFLOAD", "1")
+    _set_default(env, "CCL_WORKER_COUNT", str(count))
+    # oneCCL reads one list for every rank of the host, each taking `count` entries at its
+    # local rank's offset: this rank's CPUs in its own slice (the other slices are not read here).
+    _set_default(env, "CCL_WORKER_AFFINITY", ",".join(map(str, cpus * local_size)))
+
+
 def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str] = os.environ) -> None:
     """Set oneCCL's variables for the first process group (see the module docstring)."""
     local_rank, local_size = _local_layout(store, rank, size, env)
@@ -156,8 +264,7 @@ def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str
     ours = env.get("ONECCL_BIND_PT_SHM", "1").lower() not in ("0", "off", "false")
     _set_default(env, "CCL_ATL_SHM", "0" if ours and local_size == size else "1")
     _set_default(env, "FI_SHM_DISABLE_CMA", "1")
-    if "CCL_WORKER_COUNT" not in env and "CCL_WORKER_AFFINITY" not in env:
-        _set_default(env, "CCL_WORKER_OFFLOAD", "0")
+    _apply_worker_defaults(env, oneccl_carries=not (ours and local_size == size))
     if local_size == size:
         _set_default(env, "CCL_KVS_IFACE", "lo")
     else:

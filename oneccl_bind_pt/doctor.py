@@ -133,6 +133,29 @@ def _print_paths(paths: dict) -> None:
         print(f"single copy      {single}")
 
 
+def _workers() -> str:
+    """What the first group of a rank started like this process would give oneCCL's workers."""
+    env = os.environ
+    if any(v in env for v in _env.WORKER_VARS):
+        return "as CCL_WORKER_* set by you: " + ", ".join(f"{v}={env[v]}" for v in _env.WORKER_VARS if v in env)
+    local_rank, local_size = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1))
+    cores, pinned, cores_why = _C.rank_cores(local_size)
+
+    def plan(asked):
+        count, cpus, why = _env.worker_plan({**env, "ONECCL_BIND_PT_WORKERS": asked}, local_rank=local_rank,
+                                            local_size=local_size, oneccl_carries=True, cores=cores, pinned=pinned,
+                                            torch_threads=max(1, torch.get_num_threads()),
+                                            cpus=list(os.sched_getaffinity(0)))
+        return (f"{count} on CPU{'s' * (count > 1)} {','.join(map(str, cpus))}" if count else "0"), why
+
+    asked = env.get("ONECCL_BIND_PT_WORKERS", "")
+    if asked and asked != "auto":
+        return "{} ({})".format(*plan(asked))
+    auto = "{} when ranks span hosts ({}; cores: {cores_why}), 0 when all are on one host".format(
+        *plan("auto"), cores_why=cores_why)
+    return auto if asked else f"0 ({_env.OFF_BY_DEFAULT}); auto would give {auto}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m oneccl_bind_pt.doctor", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -160,6 +183,10 @@ def main(argv=None) -> int:
         # For this process: a rank under a launcher also divides the host by its ranks.
         print(f"                 {_C.helpers()}")
     except ValueError as e:  # an ONECCL_BIND_PT_HELPERS value it does not know
+        problems.append(str(e).splitlines()[0])
+    try:
+        print(f"oneCCL workers   {_workers()}")
+    except ValueError as e:  # an ONECCL_BIND_PT_WORKERS value it does not know
         problems.append(str(e).splitlines()[0])
     hwloc, fabric = _loaded_library("libhwloc"), _libfabric()
     on_path, ours = _mpirun()

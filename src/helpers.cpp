@@ -116,11 +116,35 @@ Container container() {
   return box;
 }
 
+// oneCCL's worker threads this process will have, from the variables the package
+// sets before the first group (_env.py) or the user did: none with
+// CCL_WORKER_OFFLOAD=0, else CCL_WORKER_COUNT, else oneCCL's own 1 once any
+// CCL_WORKER_* is set; none when nothing is (the doctor, before any group).
+int oneccl_workers() {
+  const char* offload = std::getenv("CCL_WORKER_OFFLOAD");
+  if (offload && std::string(offload) == "0") {
+    return 0;
+  }
+  const int count = env_int("CCL_WORKER_COUNT");
+  if (count >= 0) {
+    return count;
+  }
+  const char* affinity = std::getenv("CCL_WORKER_AFFINITY");
+  return (offload && *offload) || (affinity && *affinity) ? 1 : 0;
+}
+
+std::string of(int n, const char* what) {
+  return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
+}
+
 HelperPlan choose() {
   HelperPlan plan;
   CPU_ZERO(&g_mask);
-  const int online = static_cast<int>(std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN)));
-  const int cpus = sched_getaffinity(0, sizeof g_mask, &g_mask) == 0 ? CPU_COUNT(&g_mask) : online;
+  if (sched_getaffinity(0, sizeof g_mask, &g_mask) != 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      CPU_SET(c, &g_mask);
+    }
+  }
   if (const char* asked = std::getenv("ONECCL_BIND_PT_HELPERS"); asked && *asked) {
     char* end = nullptr;
     const long x = std::strtol(asked, &end, 10);
@@ -134,26 +158,14 @@ HelperPlan choose() {
   if (local < 1) {
     local = std::max(1, env_int("LOCAL_WORLD_SIZE"));
   }
-  const Container box = container();
-  const int allowed = box.cpuset > 0 ? std::min(box.cpuset, online) : online;
-  // A set narrower than what the host or container allows is this rank's own (a
-  // launcher pinned it), unless it is too wide for every rank to have one like it.
-  const bool pinned = cpus < allowed && static_cast<long>(cpus) * local <= allowed;
-  int mine = pinned ? cpus : std::max(1, cpus / local);
-  // A CPU quota is the container's, shared by all its ranks.
-  const bool quota = box.quota > 0 && box.quota / local < mine;
-  if (quota) {
-    mine = std::max(1, box.quota / local);
-  }
+  const RankCores mine = rank_cores(local);
   const int compute = std::max(1, at::get_num_threads());
-  plan.count = std::clamp(mine - compute, 0, kMaxHelpers);
-  auto of = [](int n, const char* what) { return std::to_string(n) + " " + what + (n == 1 ? "" : "s"); };
-  plan.description = "helpers " + std::to_string(plan.count) + " (" + of(mine, "core") + " for this rank: " +
-      (quota ? "a CPU quota of " + of(box.quota, "CPU") + " / " + of(local, "rank")
-             : pinned ? of(cpus, "CPU") + " in its affinity"
-                      : of(cpus, "CPU") + " / " + of(local, "rank") + " on this host") +
-      "; less " + of(compute, "torch thread") + "; at most " + std::to_string(kMaxHelpers) +
-      "; ONECCL_BIND_PT_HELPERS sets it)";
+  const int workers = oneccl_workers();
+  plan.count = std::clamp(mine.cores - compute - workers, 0, kMaxHelpers);
+  plan.description = "helpers " + std::to_string(plan.count) + " (" + of(mine.cores, "core") + " for this rank: " +
+      mine.why + "; less " + of(compute, "torch thread") +
+      (workers > 0 ? "; less " + of(workers, "oneCCL worker") : std::string()) + "; at most " +
+      std::to_string(kMaxHelpers) + "; ONECCL_BIND_PT_HELPERS sets it)";
   return plan;
 }
 
@@ -308,6 +320,28 @@ Pool* pool() {
 }
 
 } // namespace
+
+RankCores rank_cores(int local) {
+  local = std::max(1, local);
+  RankCores r;
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  const int online = static_cast<int>(std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN)));
+  const int cpus = sched_getaffinity(0, sizeof mask, &mask) == 0 ? CPU_COUNT(&mask) : online;
+  const Container box = container();
+  const int allowed = box.cpuset > 0 ? std::min(box.cpuset, online) : online;
+  // A set narrower than what the host or container allows is this rank's own (a
+  // launcher pinned it), unless it is too wide for every rank to have one like it.
+  r.pinned = cpus < allowed && static_cast<long>(cpus) * local <= allowed;
+  r.cores = r.pinned ? cpus : std::max(1, cpus / local);
+  r.why = r.pinned ? of(cpus, "CPU") + " in its affinity" : of(cpus, "CPU") + " / " + of(local, "rank") + " on this host";
+  // A CPU quota is the container's, shared by all its ranks.
+  if (box.quota > 0 && box.quota / local < r.cores) {
+    r.cores = std::max(1, box.quota / local);
+    r.why = "a CPU quota of " + of(box.quota, "CPU") + " / " + of(local, "rank");
+  }
+  return r;
+}
 
 const HelperPlan& helper_plan() {
   static const HelperPlan plan = choose();

@@ -8,8 +8,8 @@
 // size), else those CPUs divided by the ranks on this host (CCL_LOCAL_SIZE),
 // and no more than a container's CPU quota divided the same way; less torch's
 // intra-op threads (at::get_num_threads(), which DDP's compute uses beside the
-// collectives), at most 3. So a host with no spare core gets none, and a rank
-// whose compute uses every core it has gets none. Helpers run on the CPUs the
+// collectives) and oneCCL's worker threads, at most 3. So a host with no spare
+// core gets none, and a rank whose compute uses every core it has gets none. Helpers run on the CPUs the
 // process had then, take no asynchronous signals, spin 50 us after a split,
 // then sleep; a thread that cannot be started leaves fewer helpers.
 #pragma once
@@ -23,6 +23,17 @@ struct HelperPlan {
   int count = 0;            // threads besides the one running the collective
   std::string description;  // one line for the doctor: the count and why
 };
+
+// The cores this rank has, where the helper count and oneCCL's worker count
+// (_env.py) start: its CPU affinity if a launcher narrowed it below what the host
+// or container allows (and each of `local_ranks` could have a set that size), else
+// those CPUs / local_ranks, and no more than a container's CPU quota / local_ranks.
+struct RankCores {
+  int cores = 1;
+  bool pinned = false; // the affinity is this rank's own
+  std::string why;     // e.g. "16 CPUs / 2 ranks on this host"
+};
+RankCores rank_cores(int local_ranks);
 
 // Chosen once per process; throws c10::ValueError for an ONECCL_BIND_PT_HELPERS
 // that is not a whole number from 0 to kMaxHelpersAsked.

@@ -286,13 +286,13 @@ def _default_helpers(rank, world):
     return _C.helpers(), _helper_threads(), torch.get_num_threads(), os.environ.get("CCL_LOCAL_SIZE")
 
 
-def _expected_helpers(local, compute, affinity=None):
+def _expected_helpers(local, compute, affinity=None, workers=0):
     # The rule of src/helpers.hpp, for this machine's CPUs (a container's limits aside: the
     # callers skip where the description names a CPU quota).
     cpus = len(affinity or os.sched_getaffinity(0))
     pinned = cpus < os.cpu_count() and cpus * local <= os.cpu_count()
     mine = cpus if pinned else max(1, cpus // local)
-    return min(3, max(0, mine - max(1, compute)))
+    return min(3, max(0, mine - max(1, compute) - workers))
 
 
 def test_default_helpers_leave_the_cores_compute_uses():
@@ -304,14 +304,16 @@ def test_default_helpers_leave_the_cores_compute_uses():
         assert threads == want, f"rank {rank}: {threads} helper threads, {said}"
 
 
-@pytest.mark.parametrize("local, threads, pinned", [(1, 1, False), (2, 1, False), (1, 64, False), (1, 1, True),
-                                                    (4, 1, True)],
+@pytest.mark.parametrize("local, threads, pinned, workers", [(1, 1, False, 0), (2, 1, False, 0), (1, 64, False, 0),
+                                                             (1, 1, True, 0), (4, 1, True, 0), (1, 1, False, 1)],
                          ids=["alone-1-thread", "2-ranks-1-thread", "alone-64-threads", "pinned-to-one-cpu",
-                              "one-cpu-shared-by-4-ranks"])
-def test_helper_count_follows_the_cores_a_rank_has(local, threads, pinned):
+                              "one-cpu-shared-by-4-ranks", "alone-1-thread-1-oneccl-worker"])
+def test_helper_count_follows_the_cores_a_rank_has(local, threads, pinned, workers):
     cpus = sorted(os.sched_getaffinity(0))
-    env = {**os.environ, "CCL_LOCAL_SIZE": str(local), "OMP_NUM_THREADS": str(threads)}
-    env.pop("ONECCL_BIND_PT_HELPERS", None)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CCL_WORKER_", "ONECCL_BIND_PT_HELPERS"))}
+    env.update(CCL_LOCAL_SIZE=str(local), OMP_NUM_THREADS=str(threads))
+    if workers:  # oneCCL's worker threads take spare cores too
+        env.update(CCL_WORKER_OFFLOAD="1", CCL_WORKER_COUNT=str(workers))
     cmd = [sys.executable, "-c", "import oneccl_bind_pt, torch; print(oneccl_bind_pt._C.helpers(), torch.get_num_threads())"]
     if pinned:
         if len(cpus) < 2:
@@ -322,10 +324,62 @@ def test_helper_count_follows_the_cores_a_rank_has(local, threads, pinned):
     compute = int(said.rsplit(" ", 1)[1])
     if "a CPU quota" in said:
         pytest.skip(f"a container's CPU quota decides here: {said}")
-    want = _expected_helpers(local, compute, affinity=cpus[:1] if pinned else None)
+    want = _expected_helpers(local, compute, affinity=cpus[:1] if pinned else None, workers=workers)
     assert said.startswith(f"helpers {want} ("), said
-    if (local, threads, pinned) == (1, 1, False) and len(cpus) >= 2 and len(cpus) == os.cpu_count():
+    assert ("oneCCL worker" in said) == (workers > 0), said
+    if (local, threads, pinned, workers) == (1, 1, False, 0) and len(cpus) >= 2 and len(cpus) == os.cpu_count():
         assert want >= 1, "a rank alone with one torch thread on a multi-core host gets a helper"
+
+
+# ---- oneCCL's worker threads ----------------------------------------------------------------
+# Where oneCCL carries the collectives (ranks on other hosts, or ONECCL_BIND_PT_SHM=0) and a
+# rank has spare cores, oneCCL's worker threads progress its ops (oneccl_bind_pt/_env.py,
+# worker_plan; the rule's cases are in test_package.py). This machine has no spare core, so
+# ONECCL_BIND_PT_WORKERS=1 forces one here: ops through a worker, checked byte for byte.
+
+def _with_workers(rank, world, count):
+    import glob
+
+    from oneccl_bind_pt import _env
+
+    expect_transport()
+    said = {v: os.environ.get(v) for v in _env.WORKER_VARS}
+    assert said["CCL_WORKER_OFFLOAD"] == ("1" if count else "0") and said["CCL_WORKER_COUNT"] == (str(count) if count else None), said
+    assert _env.workers_why == "ONECCL_BIND_PT_WORKERS", _env.workers_why
+    failures = []
+    n = (1 << 18) + 5
+    for dtype, op in ((torch.float32, "SUM"), (torch.bfloat16, "SUM"), (torch.int32, "MAX")):
+        t = data(rank, dtype, (n,), salt=n, op=op)
+        work = dist.all_reduce(t, op=reduce_op(op), async_op=True)
+        work.wait()
+        if not same_bytes(t, expected_reduction([data(r, dtype, (n,), salt=n, op=op) for r in range(world)], op, world)):
+            failures.append(f"all_reduce {dtype} {op}")
+    mine = raw_data(rank, torch.uint8, (n,))
+    out = torch.empty(world * n, dtype=torch.uint8)
+    all_gather_single(out, mine)
+    if not torch.equal(out, torch.cat([raw_data(r, torch.uint8, (n,)) for r in range(world)])):
+        failures.append("all_gather")
+    b = mine.clone()
+    dist.broadcast(b, src=world - 1)
+    if not torch.equal(b, raw_data(world - 1, torch.uint8, (n,))):
+        failures.append("broadcast")
+    sent = torch.cat([raw_data(rank, torch.uint8, (n,), salt=q) for q in range(world)])
+    got = torch.empty_like(sent)
+    dist.all_to_all_single(got, sent)
+    if not torch.equal(got, torch.cat([raw_data(q, torch.uint8, (n,), salt=rank) for q in range(world)])):
+        failures.append("all_to_all_single")
+    return failures, len(glob.glob("/proc/self/task/*"))
+
+
+def test_oneccl_worker_threads_carry_collectives_exactly():
+    threads = {}
+    for count in (0, 1):
+        env = {**TRANSPORTS["oneccl"], "ONECCL_BIND_PT_WORKERS": str(count)}
+        ranks = run_ranks(_with_workers, 2, count, env=env, timeout=300)
+        assert [failures for failures, _ in ranks] == [[], []], (count, ranks)
+        threads[count] = [n for _, n in ranks]
+    # oneCCL started the worker: one thread more in each rank than without
+    assert [b - a for a, b in zip(threads[0], threads[1])] == [1, 1], threads
 
 
 def test_an_unknown_helper_count_fails_the_group_with_its_name():

@@ -153,6 +153,62 @@ def test_defaults_never_override_the_user():
     assert env["CCL_KVS_IFACE"] == "lo"
 
 
+# oneCCL's worker threads (_env.worker_plan): (ONECCL_BIND_PT_WORKERS, oneCCL carries the
+# collectives, local rank, local size, cores for the rank, pinned, torch threads, CPUs, SMT
+# siblings: CPU c is on core c % this, or None) -> (count, worker CPUs).
+WORKER_CASES = {
+    "unset-none-whatever-the-cores": ("", True, 1, 2, 8, False, 1, range(16), None, 0, []),
+    "auto-one-host-shm-carries": ("auto", False, 0, 2, 8, False, 1, range(16), None, 0, []),
+    "auto-across-hosts-8-cores-1-thread": ("auto", True, 1, 2, 8, False, 1, range(16), None, 2, [14, 15]),
+    "auto-compute-uses-all": ("auto", True, 0, 2, 8, False, 8, range(16), None, 0, []),
+    "auto-2-spare": ("auto", True, 0, 4, 3, False, 1, range(12), None, 1, [2]),
+    "auto-1-spare": ("auto", True, 0, 1, 2, False, 1, range(2), None, 0, []),
+    "auto-pinned-to-its-own-cpus": ("auto", True, 3, 4, 4, True, 1, [4, 5, 6, 7], None, 2, [6, 7]),
+    # a job-wide taskset: both ranks see the same 16 CPUs as their own
+    "auto-one-set-shared-rank-0": ("auto", True, 0, 2, 16, True, 1, range(16), None, 2, [14, 15]),
+    "auto-one-set-shared-rank-1": ("auto", True, 1, 2, 16, True, 1, range(16), None, 2, [12, 13]),
+    # 16 cores x 2 threads, siblings c and c + 16: rank 1's block is cores 8-15, not CPUs 16-31
+    "auto-smt-siblings-rank-1": ("auto", True, 1, 2, 16, False, 1, range(32), 16, 2, [14, 15]),
+    "auto-smt-siblings-rank-0": ("auto", True, 0, 2, 16, False, 1, range(32), 16, 2, [6, 7]),
+    "forced-on-one-host": ("1", False, 1, 2, 1, False, 1, range(2), None, 1, [1]),
+    "forced-beyond-the-block": ("3", True, 0, 2, 1, False, 1, range(2), None, 3, [0, 0, 0]),
+    "forced-off": ("0", True, 0, 1, 16, False, 1, range(16), None, 0, []),
+}
+
+
+@pytest.mark.parametrize("case", list(WORKER_CASES))
+def test_oneccl_workers_follow_the_spare_cores(case):
+    asked, carries, local_rank, local_size, cores, pinned, threads, cpus, smt, count, where = WORKER_CASES[case]
+    got = _env.worker_plan({"ONECCL_BIND_PT_WORKERS": asked}, local_rank=local_rank, local_size=local_size,
+                           oneccl_carries=carries, cores=cores, pinned=pinned, torch_threads=threads, cpus=list(cpus),
+                           core_of=lambda c: (0, c % smt if smt else c))
+    assert got[:2] == (count, where), got
+
+
+def test_oneccl_workers_variables_and_refusal():
+    # Across hosts (1 rank here of 2), a worker forced: the three variables, this rank's slice.
+    store = dist.HashStore()
+    env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2", "ONECCL_BIND_PT_WORKERS": "1"}
+    _env.apply_ccl_defaults(store, 0, 2, env)
+    cpus = sorted(os.sched_getaffinity(0), key=lambda c: (*_env.core_of(c), c))
+    last = str(min(c for c in cpus if _env.core_of(c) == _env.core_of(cpus[-1])))  # the last core's first CPU
+    assert (env["CCL_WORKER_OFFLOAD"], env["CCL_WORKER_COUNT"], env["CCL_WORKER_AFFINITY"]) == ("1", "1", last), env
+    assert env["CCL_ATL_SHM"] == "1"
+    # Not asked for: none, across hosts too, and the doctor's reason.
+    env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2"}
+    _env.apply_ccl_defaults(store, 0, 2, env)
+    assert env["CCL_WORKER_OFFLOAD"] == "0" and "CCL_WORKER_COUNT" not in env, env
+    assert _env.workers_why == _env.OFF_BY_DEFAULT
+    # auto with every rank on this host: our shared memory carries the collectives, oneCCL gets none.
+    env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "ONECCL_BIND_PT_WORKERS": "auto"}
+    _env.apply_ccl_defaults(store, 0, 2, env)
+    assert env["CCL_WORKER_OFFLOAD"] == "0" and "CCL_WORKER_COUNT" not in env, env
+    for mine in ({}, {"CCL_WORKER_COUNT": "1"}):  # refused also where the user manages the workers
+        with pytest.raises(ValueError, match="ONECCL_BIND_PT_WORKERS=some is not auto or a whole number from 0 to 64"):
+            _env.apply_ccl_defaults(store, 0, 2, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2",
+                                                  "ONECCL_BIND_PT_WORKERS": "some", **mine})
+
+
 @pytest.mark.parametrize("name", ["oneccl_bind_pt", "oneccl_bindings_for_pytorch", "torch_ccl"])
 def test_import_in_a_fresh_interpreter(name, tmp_path):
     proc = subprocess.run(
@@ -274,6 +330,9 @@ def test_doctor_selftest_passes_and_flags_problems(tmp_path):
         assert f"oneccl_bind_pt=={row['version']} (Python {', '.join(row['python'])})" in out
     assert "CCL_WORKER_OFFLOAD=0" in out  # the defaults it applied are shown
     assert re.search(r"\n {17}helpers \d+ \(", out), out  # the helper threads it would use, and why
+    # oneCCL's workers: none unless asked, why, and what `auto` would start across hosts
+    assert re.search(r"\noneCCL workers   0 \(off unless asked: .*\); auto would give \d+( on CPUs? [\d,]+)? when "
+                     r"ranks span hosts \(auto: .*cores: ", out), out
     # The environment's mpirun exists but no mpirun is on PATH: a problem, with the fix.
     (tmp_path / "nobin").mkdir()
     bad = subprocess.run([sys.executable, "-m", "oneccl_bind_pt.doctor"], cwd=tmp_path,

@@ -7,8 +7,10 @@ them); nothing tells the package which ranks share a host: it finds out itself.
 
     ddp        DDP trains a Linear(4, 5) for STEPS steps at LR; prints the parameters, which the
                test compares with scripts/ddp_reference.py's single-process training
-    async      isend/irecv between ranks 0 and 1 both ways, and collectives whose futures
-               run callbacks (then()), all in flight at once; values checked
+    p2p        isend/irecv between ranks 0 and 1 both ways, three tags in flight (matched in
+               send order: oneCCL has no tags); values checked
+    async      collectives whose futures run callbacks (then()), all in flight at once; values
+               checked
     timeout    rank 1 never joins an allreduce on a group with a 3 s timeout; rank 0 must raise
                (last: the group is unusable afterwards)
     world      an allreduce and an allgather of host names on every rank: the hosts really are
@@ -49,7 +51,7 @@ def check_ddp(rank, world):
     print(f"rank {rank} parameters {' '.join(f'{v:.9e}' for v in flat.tolist())}", flush=True)
 
 
-def check_async(rank, world):
+def check_p2p(rank, world):
     # Point to point across the hosts, both directions at once, several tags in flight.
     if rank in (0, 1):
         peer = 1 - rank
@@ -60,6 +62,9 @@ def check_async(rank, world):
             w.wait()
         for t, o in enumerate(outs):
             assert torch.equal(o, torch.full((1 << 14,), 10.0 * peer + t)), f"tag {t}: {o[:4].tolist()}"
+
+
+def check_async(rank, world):
     # Collectives with chained callbacks, none waited for until all are issued.
     total = world * (world + 1) / 2
     a = torch.full((1 << 16,), float(rank + 1))
@@ -128,12 +133,15 @@ def check_dead_peer(rank, world):
     _allreduce_must_raise(group, 1 << 16, f"rank {rank} raised", "an allreduce completed without its dead peer")
 
 
-CHECKS = {"ddp": check_ddp, "async": check_async, "timeout": check_timeout, "world": check_world,
+CHECKS = {"ddp": check_ddp, "p2p": check_p2p, "async": check_async, "timeout": check_timeout, "world": check_world,
           "dead-peer": check_dead_peer}
 
 
 def main():
     dist.init_process_group("ccl", timeout=datetime.timedelta(seconds=120))
+    # oneCCL's worker threads the package chose (CCL_WORKER_OFFLOAD=0: none)
+    print(f"rank {dist.get_rank()} workers {os.environ.get('CCL_WORKER_OFFLOAD')} {os.environ.get('CCL_WORKER_COUNT')}",
+          flush=True)
     rank, world = dist.get_rank(), dist.get_world_size()
     failed = False
     for name in os.environ["CHECKS"].split(","):

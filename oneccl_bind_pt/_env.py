@@ -48,8 +48,9 @@ CCL_WORKER_OFFLOAD         ``0``, unless               oneCCL's worker thread bu
                            worker_plan)                for it (or our background thread
                                                        for Futures). Workers stay off
                                                        unless asked: with them oneCCL
-                                                       matched point-to-point messages
-                                                       between two ranks out of order.
+                                                       matched many more point-to-point
+                                                       messages between two ranks out of
+                                                       send order.
 CCL_KVS_IFACE              ``lo`` when every rank is   oneCCL's bootstrap listener binds
                            on this host, else the NIC  the interface the job uses, not the
                            that routes to rank 0's     first NIC it finds (nor all of them),
@@ -177,8 +178,8 @@ def _workers_asked(env: MutableMapping[str, str]) -> int | str | None:
 
 
 # Why workers are off unless asked for (docs/multi-node.md, "oneCCL's worker threads").
-OFF_BY_DEFAULT = ("off unless asked: with them oneCCL matched point-to-point messages between two ranks out "
-                  "of send order; ONECCL_BIND_PT_WORKERS=auto chooses by the cores, =N sets the count")
+OFF_BY_DEFAULT = ("off unless asked: with them oneCCL matched many more point-to-point messages between two "
+                  "ranks out of send order; ONECCL_BIND_PT_WORKERS=auto chooses by the cores, =N sets the count")
 
 
 def worker_plan(env: MutableMapping[str, str], *, local_rank: int, local_size: int, oneccl_carries: bool,

@@ -583,9 +583,16 @@ def spawn_sets(args):
     import torch.multiprocessing as mp
 
     cores = sorted(os.sched_getaffinity(0))
+    # Our transport's ranks start as torchrun starts several on one host: one intra-op thread
+    # each unless OMP_NUM_THREADS says otherwise. The helper count subtracts those threads, so
+    # this is what a torchrun job gets (mp.spawn alone leaves torch a thread per CPU per rank).
+    # The oneCCL columns keep torch's default: on a 16-core Xeon oneCCL without workers once ran
+    # up to 2x slower in ranks with one thread (not confirmed), and the baseline must not lose.
+    threads = {} if "OMP_NUM_THREADS" in os.environ or args.nprocs < 2 else {"OMP_NUM_THREADS": "1"}
     results, sets = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (env, columns) in enumerate(process_sets(args.backends, args.nprocs, cores)):
+            env = env if env.get("ONECCL_BIND_PT_SHM") == "0" else {**threads, **env}
             pin = worker_layout(args.nprocs, cores)[2] if WORKERS in columns else None
             out = os.path.join(tmp, f"set{i}.json")
             start = time.monotonic()

@@ -34,7 +34,9 @@ the mean of the loss over them being what DDP's averaged gradients descend. Per 
   (relative L2 error). The learning rate (--lr; by default one that makes the reference's
   first step move the parameters by LR_MOVE of their norm) is large enough that bfloat16
   parameters move by many of their units in the last place: at a small rate updates round
-  away and the parameters never change, whatever the reduction did.
+  away and the parameters never change, whatever the reduction did. bfloat16's update error
+  is mostly that rounding and grows as runs get shorter: it is judged against `local`'s
+  (at most half of it) where `local` ran.
 - the parameters are equal on every rank.
 
 `local` trains on its rank's data alone: its errors are what a reduction that kept only the
@@ -59,10 +61,15 @@ from oneccl_bind_pt.bench import DTYPES, GROUP_ENV, check_choices, group_with, l
 CONFIGS = ["ccl", "oneccl", "gloo", "local"]
 # Relative L2 error against the reference (module docstring). A wrong reduction is off by
 # about 1 (the sum instead of the mean, a zeroed gradient, one rank's gradient alone);
-# float32 agrees to 1e-6, bfloat16 to a few 1e-3 (gradient: its rounding) and about 1e-1
-# (update: its parameters round at every step).
+# float32 agrees to 1e-6, bfloat16's gradient to a few 1e-2 (its rounding).
 GRAD_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 5e-2}
 UPDATE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-1}
+# bfloat16's update error is mostly its parameters' rounding at every step, and grows as the
+# run gets shorter (0.31 for every backend alike, gloo's too, at --steps 5 on two machines).
+# Where `local` ran, a configuration's update error is judged against local's instead (a
+# rank training on its own rows, what a reduction that kept one rank's gradient gives): at
+# most this share of it.
+UPDATE_SHARE_OF_LOCAL = 0.5
 # The default learning rate makes the reference's first step move the parameters by this
 # fraction of their norm: far above bfloat16's rounding (about 0.2% of a value), so its
 # parameters move, yet small enough that a few steps stay a gentle descent.
@@ -106,6 +113,13 @@ def _reference_grad(params, xs, dtype, args):
             r.copy_(p.float())
     loss(ref, torch.cat(xs), dtype, torch.float32).backward()
     return _flat(r.grad for r in ref.parameters())
+
+
+def update_limit(dtype, summary):
+    """The update error a configuration may show (UPDATE_SHARE_OF_LOCAL)."""
+    if dtype == torch.bfloat16 and "local" in summary:
+        return UPDATE_SHARE_OF_LOCAL * summary["local"]["update_error"]
+    return UPDATE_TOLERANCE[dtype]
 
 
 def train(args, rank, world, dtype, groups, control):
@@ -179,8 +193,9 @@ def train(args, rank, world, dtype, groups, control):
         dist.all_reduce(same, op=dist.ReduceOp.MIN, group=control)
         r = summary[c]
         r["equal_on_all_ranks"] = bool(same.item())
+        r["update_limit"] = update_limit(dtype, summary)
         r["correct"] = (r["equal_on_all_ranks"] and r["grad_error"] <= GRAD_TOLERANCE[dtype]
-                        and r["update_error"] <= UPDATE_TOLERANCE[dtype])
+                        and r["update_error"] <= r["update_limit"])
     return summary, lr
 
 
@@ -197,7 +212,8 @@ def run(rank, world, args):
     report = {"world": world, "cpus": os.cpu_count(), "torch": torch.__version__, "parameters": params,
               "width": args.width, "layers": args.layers, "batch": args.batch, "steps": args.steps,
               "lr": {dt: lr for dt, (_, lr) in trained.items()},
-              "tolerance": {dt: {"grad_error": GRAD_TOLERANCE[DTYPES[dt]], "update_error": UPDATE_TOLERANCE[DTYPES[dt]]}
+              "tolerance": {dt: {"grad_error": GRAD_TOLERANCE[DTYPES[dt]], "update_error": UPDATE_TOLERANCE[DTYPES[dt]],
+                                 **({"update_error_share_of_local": UPDATE_SHARE_OF_LOCAL} if dt == "bfloat16" else {})}
                             for dt in results},
               "results": results}
     rows = []
@@ -252,7 +268,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--lr", type=float, help="SGD's learning rate (default: the reference's first step moves the "
-                   f"parameters by {LR_MOVE:.0%} of their norm)")
+                   f"parameters by {LR_MOVE:.0%}% of their norm)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: " + ", ".join(DTYPES))
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
     p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn when not under a launcher")

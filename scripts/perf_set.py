@@ -22,19 +22,26 @@ extension's RUNPATH names ($ORIGIN/../../.. from the package; a different file o
 name already there is an error, not overwritten), then runs from a folder that is not a
 checkout:
 
-  - python -m oneccl_bind_pt.bench at each of --ranks (2, 4, 8): float32 and bfloat16,
-    allreduce, allgather, reduce_scatter, alltoall, broadcast, sendrecv, --sizes
-    (4 KiB to 64 MiB), every default column (ccl, pg, oneccl, oneccl+w, gloo, raw, copy);
+  - python -m oneccl_bind_pt.bench at each of --ranks (2, 4, 8), allreduce, allgather,
+    reduce_scatter, alltoall, broadcast, sendrecv, --sizes (4 KiB to 64 MiB): at 2 ranks
+    float32 and bfloat16 with every default column (ccl, pg, oneccl, oneccl+w, gloo, raw, copy),
+    from 4 ranks float32 with ccl, pg, oneccl and oneccl+w (--many-backends, --many-dtypes);
   - at 2 ranks, the helper sweep: bench of our transport alone (pg) with ONECCL_BIND_PT_HELPERS
     at each of --helpers (0, 1, 3), allreduce, allgather, reduce_scatter, broadcast, 1-64 MiB;
-  - python -m oneccl_bind_pt.bench_ddp at each of --ddp (2 ranks x 8 threads, 4 x 4; the
-    threads are OMP_NUM_THREADS).
+  - at 2 ranks, staged against single copy (--single-sizes): where reading peers directly wins
+    on this CPU;
+  - python -m oneccl_bind_pt.bench_ddp at each of --ddp (2 ranks x 8 threads, 4 x 4, and 2 x 7
+    with one oneCCL worker per rank; the threads are OMP_NUM_THREADS; `2x6:helpers=2` is
+    another form).
 
 Everything lands in one folder (--out, required), 8 files with the default runs:
-perf.log (every table, as printed), one JSON per run (3 bench, 2 bench_ddp), helpers.json (the
-sweep, by helper count), and summary.json
-(host, versions, each run's command, exit status and seconds). A run that fails or passes its --step-timeout
-is recorded and the next one still runs; the exit status is 1 if any failed.
+perf.log (every table, as printed), one JSON per bench run (3), single.json, helpers.json (the
+sweep, by helper count), ddp.json (each bench_ddp run, by its --ddp entry), and summary.json
+(host, versions, each run's command, exit status and seconds). A run that fails or passes its
+--step-timeout is recorded and the next one still runs; the exit status is 1 if any failed.
+
+`report DIR` (anywhere) prints, from a run's bench JSON, ccl against the best oneCCL column
+(oneccl or oneccl+w) at every point: the ratio issue-style targets are stated in.
 
 --installed skips the install and runs the package this interpreter already has (a
 development .venv); with --quick (2 ranks, float32, 2 sizes, a small DDP model) that is
@@ -71,11 +78,19 @@ HELPER_SIZES = "1M,16M,64M"
 # -61"), from impi-rt; hwloc, from tcmlib.
 LIBS = {"libfabric.so.1": "impi-rt", "libtcp-fi.so": "impi-rt", "libshm-fi.so": "impi-rt",
         "librxm-fi.so": "impi-rt", "libhwloc.so.15": "tcmlib"}
-# Sized for about 5 minutes on 16 cores (docs/performance.md: the estimate and how it was made).
+# bench_ddp runs may name knobs after a colon, e.g. 2x7:workers=1 (one oneCCL worker per rank
+# beside 7 torch threads) or 2x6:helpers=2.
+DDP_KNOBS = {"workers": "ONECCL_BIND_PT_WORKERS", "helpers": "ONECCL_BIND_PT_HELPERS"}
+# Sized for about 7.5 minutes on 16 cores (docs/performance.md: the runs it was sized from).
+# Every column and dtype at 2 ranks; from 4 ranks only ours and oneCCL's, float32 (all of
+# them at 4 and 8 ranks took over 140 s each).
 FULL = dict(ranks="2,4,8", dtypes="float32,bfloat16", sizes="4K,64K,1M,16M,64M", seconds=0.02, rounds=2,
-            helpers="0,1,3", ddp="2x8,4x4", ddp_args=["--steps", "5"])
-QUICK = dict(ranks="2", dtypes="float32", sizes="4K,1M", seconds=0.02, rounds=2, helpers="0,1",
-             ddp="2x1", ddp_args=["--width", "256", "--layers", "3", "--batch", "4", "--steps", "3", "--warmup", "1"])
+            backends="", many_backends="ccl,pg,oneccl,oneccl+w", many_dtypes="float32",
+            helpers="0,1,3", single_sizes="256K,1M,4M,16M,64M", ddp="2x8,4x4,2x7:workers=1",
+            ddp_args=["--steps", "5"])
+QUICK = dict(ranks="2", dtypes="float32", sizes="4K,1M", seconds=0.02, rounds=2, backends="", many_backends="",
+             many_dtypes="", helpers="0,1", single_sizes="1M", ddp="2x1",
+             ddp_args=["--width", "256", "--layers", "3", "--batch", "4", "--steps", "3", "--warmup", "1"])
 
 
 def say(msg: str) -> None:
@@ -272,10 +287,21 @@ def run(args) -> int:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
             steps = []
             for n in args.ranks.split(","):
+                backends = args.backends if n == "2" else args.many_backends or args.backends
+                dtypes = args.dtypes if n == "2" else args.many_dtypes or args.dtypes
                 steps.append((f"bench {n} ranks", [python, "-m", "oneccl_bind_pt.bench", "--nprocs", n, "--ops", OPS,
-                                                   "--dtypes", args.dtypes, "--sizes", args.sizes,
+                                                   "--dtypes", dtypes, "--sizes", args.sizes,
+                                                   *(["--backends", backends] if backends else []),
                                                    "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
                                                    "--json", out / f"bench-{n}ranks.json"], {}))
+                if n == "2" and args.single_sizes:
+                    # Where reading peers directly (single copy) beats the staging buffers on this
+                    # CPU: the crossovers in route.cpp were measured on one other machine.
+                    steps.append(("bench 2 ranks, staged against single copy",
+                                  [python, "-m", "oneccl_bind_pt.bench", "--nprocs", "2", "--ops", OPS,
+                                   "--dtypes", "float32", "--sizes", args.single_sizes, "--backends", "staged,single",
+                                   "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
+                                   "--json", out / "single.json"], {}))
                 if n == "2":
                     for h in filter(None, args.helpers.split(",")):
                         steps.append((f"bench 2 ranks, {h} helpers",
@@ -284,15 +310,21 @@ def run(args) -> int:
                                        "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
                                        "--json", work / f"helpers-{h}.json"], {"ONECCL_BIND_PT_HELPERS": h}))
             for config in args.ddp.split(","):
-                n, threads = config.split("x")
-                steps.append((f"bench_ddp {n} ranks x {threads} threads",
+                shape, _, extra = config.partition(":")
+                n, threads = shape.split("x")
+                knobs = dict(kv.split("=") for kv in filter(None, extra.split(";")))
+                env_extra = {"OMP_NUM_THREADS": threads, **{DDP_KNOBS[k]: v for k, v in knobs.items()}}
+                label = "".join(f"-{k}{v}" for k, v in knobs.items())
+                steps.append((f"bench_ddp {n} ranks x {threads} threads{' ' + extra if extra else ''}",
                               [python, "-m", "oneccl_bind_pt.bench_ddp", "--nprocs", n, *args.ddp_args,
-                               "--json", out / f"ddp-{n}x{threads}.json"], {"OMP_NUM_THREADS": threads}))
+                               *(["--dtypes", args.ddp_dtypes] if args.ddp_dtypes else []),
+                               "--json", work / f"ddp-{n}x{threads}{label}.json"], env_extra))
             for name, cmd, extra in steps:
                 left = args.budget - (time.monotonic() - start)
                 if left < 10:
                     say(f"{name}: not started, --budget {args.budget:.0f} s spent")
-                    summary["steps"].append({"name": name, "rc": None, "skipped": "budget"})
+                    summary["steps"].append({"name": name, "cmd": [str(c) for c in cmd], "rc": None,
+                                             "skipped": "budget"})
                 else:
                     summary["steps"].append(run_step(name, cmd, {**env, **extra}, work, min(args.step_timeout, left),
                                                      log))
@@ -302,12 +334,43 @@ def run(args) -> int:
         sweep = {p.stem.split("-")[1]: json.loads(p.read_text()) for p in sorted(work.glob("helpers-*.json"))}
         if sweep:
             (out / "helpers.json").write_text(json.dumps(sweep, indent=1) + "\n")
+        ddp = {p.stem.removeprefix("ddp-"): json.loads(p.read_text()) for p in sorted(work.glob("ddp-*.json"))}
+        if ddp:
+            (out / "ddp.json").write_text(json.dumps(ddp, indent=1) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     failed = [s["name"] for s in summary["steps"] if s["rc"] != 0]
     say(f"{len(summary['steps'])} runs in {round(time.monotonic() - start, 1)} s, outputs in {out}"
         + (f"; not run or failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+# ---------------------------------------------------------------- report (anywhere)
+
+def report(args) -> int:
+    """ccl against the best oneCCL column at every point of each bench JSON in args.dir."""
+    files = sorted(args.dir.glob("bench-*ranks.json"), key=lambda f: int(f.stem.split("-")[1].removesuffix("ranks")))
+    if not files:
+        sys.exit(f"no bench-<N>ranks.json in {args.dir}")
+    worst = 0.0
+    for f in files:
+        run = json.loads(f.read_text())
+        points: dict[tuple, dict[str, float]] = {}
+        for p in run["points"]:
+            points.setdefault((p["op"], p["dtype"], p["bytes"]), {})[p["backend"]] = p["median_us"]
+        print(f"{run['world']} ranks ({f.name}): median us; best = the faster of oneccl and oneccl+w")
+        print(f"  {'op':<15}{'dtype':<10}{'bytes':>10}{'ccl':>11}{'oneccl':>11}{'oneccl+w':>11}{'ccl/best':>10}")
+        for (op, dtype, size), by in points.items():
+            ours = by.get("ccl")
+            best = min((by[c] for c in ("oneccl", "oneccl+w") if c in by), default=None)
+            if ours is None or best is None:
+                continue
+            ratio = ours / best
+            worst = max(worst, ratio)
+            cells = "".join(f"{by[c]:>11,.1f}" if c in by else f"{'-':>11}" for c in ("ccl", "oneccl", "oneccl+w"))
+            print(f"  {op:<15}{dtype:<10}{size:>10}{cells}{ratio:>9.2f}{' *' if ratio > 1 else ''}")
+    print(f"worst ccl/best: {worst:.2f} (* above 1)")
+    return 0
 
 
 def main() -> int:
@@ -343,12 +406,24 @@ def main() -> int:
     r.add_argument("--rounds", type=int, help=f"bench's interleaved rounds (default: {FULL['rounds']})")
     r.add_argument("--helpers", help=f"ONECCL_BIND_PT_HELPERS values the helper sweep runs at 2 ranks, '' for "
                    f"none (default: {FULL['helpers']}; --quick {QUICK['helpers']})")
-    r.add_argument("--ddp", help=f"bench_ddp's RANKSxTHREADS runs (default: {FULL['ddp']}; --quick {QUICK['ddp']})")
+    r.add_argument("--backends", help="bench's columns at 2 ranks (default: all of bench's)")
+    r.add_argument("--many-backends", help=f"bench's columns from 4 ranks on (default: {FULL['many_backends']}; "
+                   "'' for --backends')")
+    r.add_argument("--many-dtypes", help=f"bench's dtypes from 4 ranks on (default: {FULL['many_dtypes']}; "
+                   "'' for --dtypes)")
+    r.add_argument("--ddp-dtypes", help="bench_ddp's dtypes (default: bench_ddp's, float32 and bfloat16)")
+    r.add_argument("--single-sizes", help=f"sizes of the staged-against-single-copy run at 2 ranks, '' for none "
+                   f"(default: {FULL['single_sizes']})")
+    r.add_argument("--ddp", help=f"bench_ddp's RANKSxTHREADS[:workers=N;helpers=N] runs (default: {FULL['ddp']}; --quick {QUICK['ddp']})")
     r.add_argument("--step-timeout", type=float, default=150, help="seconds before one run is killed with its "
                    "ranks (default: %(default)s)")
-    r.add_argument("--budget", type=float, default=540, help="seconds from the start after which no run starts and "
+    r.add_argument("--budget", type=float, default=570, help="seconds from the start after which no run starts and "
                    "the one in progress is killed (default: %(default)s)")
+    q = sub.add_parser("report", help="anywhere: ccl against the best oneCCL column, from a run's folder")
+    q.add_argument("dir", type=Path, help="a run's --out folder")
     args = ap.parse_args()
+    if args.command == "report":
+        return report(args)
     if args.command == "prepare":
         return prepare(args)
     args.ddp_args = None

@@ -1,5 +1,7 @@
 #include "route.hpp"
 
+#include "helpers.hpp"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -35,17 +37,33 @@ size_t env_bytes(const char* name, size_t fallback) {
 }
 
 // Single copy in these bands of bytes per rank (reduce_scatter: its input; allgather:
-// this rank's share), measured on 2 ranks of a 2-core VM with `python -m
-// oneccl_bind_pt.bench --backends staged,single,raw` (docs/performance.md, "single
-// copy"): reading peers with process_vm_readv costs page pinning, and from ~16 MiB the
-// staged path, whose 2 MiB buffers stay in cache, was as fast or faster. allreduce,
-// broadcast and all-to-all showed no steady gain over three runs: they stay staged.
-// send/recv stays streamed: there the sender's copy into the ring and the receiver's
-// copy out of it run at once on two cores; the receiver's single read was 1.2-2.2x slower
-// from 16 KiB to 64 MiB quiet, and slower at 6 of 7 sizes beside a memory hog.
+// this rank's share), from `python -m oneccl_bind_pt.bench --backends staged,single` on 2
+// ranks (docs/performance.md, "single copy"). Reading peers with process_vm_readv costs page
+// pinning, and the staged path's 2 MiB buffers stay in cache; which wins differs by CPU and
+// by whether helper threads split the staged copies (they do not split the reads):
+//  - Intel, no helpers (a 16-core Xeon VM; a 2-core Xeon agreed at 1 MiB): single copy won
+//    from 256 KiB to 64 MiB for allgather (0.66x at 256 KiB, 0.59x at 16 MiB),
+//    reduce_scatter (0.70-0.83x) and all-to-all (0.37-0.73x), from 1 MiB for allreduce
+//    (0.69x at 4 MiB, 0.94x at 64 MiB; 1.29x at 256 KiB), and up to 1 MiB for broadcast and
+//    send (0.74-0.85x; 1.2-1.5x slower from 4 MiB).
+//  - With helpers, on any CPU, and on other CPUs (a 2-core AMD EPYC VM): only allgather and
+//    reduce_scatter around 1 MiB. On the Xeon with 3 helpers an allreduce of 16 MiB took
+//    1.5 ms staged and 2.9 ms in single copy, even with its reads split across the helpers
+//    (two runs, two hosts of one image); on the EPYC staging was as fast or faster from
+//    ~16 MiB, allreduce, broadcast and all-to-all showed no steady gain, and the receiver's
+//    single read of a send was 1.2-2.2x slower from 16 KiB to 64 MiB.
 constexpr size_t kNever = SIZE_MAX;
-constexpr PerKind kSingleCopyFrom{kNever, kNever, kNever, size_t{1} << 20, kNever, size_t{256} << 10, kNever};
-constexpr PerKind kSingleCopyTo{0, 0, 0, size_t{4} << 20, 0, size_t{4} << 20, kNever};
+constexpr size_t kKiB = 1024, kMiB = kKiB * 1024;
+//                          allreduce reduce  broadcast   allgather   alltoall    reduce_scatter send
+constexpr PerKind kNarrowFrom{kNever,   kNever, kNever,     1 * kMiB,   kNever,     256 * kKiB,    kNever};
+constexpr PerKind kNarrowTo{  0,        0,      0,          4 * kMiB,   0,          4 * kMiB,      kNever};
+constexpr PerKind kWideFrom{  1 * kMiB, kNever, 256 * kKiB, 256 * kKiB, 256 * kKiB, 256 * kKiB,    256 * kKiB};
+constexpr PerKind kWideTo{    kNever,   0,      1 * kMiB,   kNever,     kNever,     kNever,        1 * kMiB};
+
+bool intel_cpu() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel");
+}
 
 bool env_on(const char* name) {
   const char* v = std::getenv(name);
@@ -82,8 +100,10 @@ ShmLimits ShmLimits::from_env() {
   }
   // Single copy: where reading peers' tensors directly beat staging them
   // (docs/performance.md, "single copy").
-  l.single_copy = kSingleCopyFrom;
-  l.single_copy_to = kSingleCopyTo;
+  // helper_plan() is chosen before the group's transports (ProcessGroupCCL's constructor).
+  const bool wide = intel_cpu() && helper_plan().count == 0;
+  l.single_copy = wide ? kWideFrom : kNarrowFrom;
+  l.single_copy_to = wide ? kWideTo : kNarrowTo;
   const char* from = std::getenv("ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES");
   if (from && *from) {
     // One threshold for every kind, with no upper end.

@@ -41,10 +41,13 @@ def test_bench_runs_every_op_and_checks_results(tmp_path):
     assert png.stat().st_size > 10_000
     assert "gloo/ccl" in text and "oneccl/ccl" in text and "oneccl+w/ccl" in text
 
-    # ccl runs in processes the benchmark set no variable for: the package's own defaults.
+    # ccl runs in processes the benchmark set no variable for but the thread count torchrun
+    # sets (one intra-op thread unless the user said): the package's own defaults. The oneCCL
+    # columns keep torch's default thread count.
     columns, sets = result["columns"], result["processes"]
-    assert columns["ccl"] == {"env": {}, "group_env": {}, "processes": 0}, columns["ccl"]
-    assert sets[0]["env"] == {} and {"ccl", "pg", "gloo", "copy"} <= set(sets[0]["columns"]), sets[0]
+    threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
+    assert columns["ccl"] == {"env": threads, "group_env": {}, "processes": 0}, columns["ccl"]
+    assert sets[0]["env"] == threads and {"ccl", "pg", "gloo", "copy"} <= set(sets[0]["columns"]), sets[0]
     if "CCL_ATL_SHM" not in os.environ:  # on one host: our transport, oneCCL over sockets (unless SHM=0)
         want = "1" if os.environ.get("ONECCL_BIND_PT_SHM") == "0" else "0"
         assert sets[0]["defaults"]["CCL_ATL_SHM"] == want, sets[0]
@@ -134,14 +137,31 @@ def test_ddp_bench_trains_every_config_like_one_process_on_all_rows(tmp_path):
             if config == "local":
                 # Its rank's gradient alone, what a reduction that dropped the other rank's would
                 # leave: far outside the tolerances, so they can tell a wrong sum at this setting.
-                assert r["grad_error"] > 10 * tol["grad_error"] and r["update_error"] > 4 * tol["update_error"], r
+                # (bfloat16's update is judged as a share of this one's: no margin to show there.)
+                assert r["grad_error"] > 10 * tol["grad_error"], r
+                assert dtype == "bfloat16" or r["update_error"] > 4 * tol["update_error"], r
                 continue
             # Against one process trained on both ranks' rows (not against another DDP config).
             assert r["equal_on_all_ranks"], (dtype, config, r)
-            assert r["grad_error"] <= tol["grad_error"] and r["update_error"] <= tol["update_error"], (dtype, config, r)
+            limit = (tol["update_error_share_of_local"] * by["local"]["update_error"] if dtype == "bfloat16"
+                     else tol["update_error"])
+            assert r["update_limit"] == pytest.approx(limit), (dtype, config, r)
+            assert r["grad_error"] <= tol["grad_error"] and r["update_error"] <= limit, (dtype, config, r)
             assert r["correct"] and r["comm_ms"] == pytest.approx(
                 statistics.median(a - b for a, b in zip(r["steps"], by["local"]["steps"]))), r
     # Loose enough for bf16's rounding, tight for float32's.
     assert report["tolerance"]["float32"]["update_error"] <= 1e-3, report["tolerance"]
     assert png.stat().st_size > 10_000
     assert "x gloo" in text and "comm ms" in text
+
+
+# Every command with options answers --help (a '%' in a help text once made bench_ddp's raise).
+HELP = [["-m", f"oneccl_bind_pt.{m}"] for m in ("bench", "bench_ddp", "doctor")] + [
+    [str(p)] for p in sorted((ROOT / "scripts").glob("*.py")) if "argparse" in p.read_text()]
+
+
+@pytest.mark.parametrize("command", HELP, ids=lambda c: c[-1].rsplit("/", 1)[-1])
+def test_help(command):
+    proc = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT / "tests", capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stdout + proc.stderr

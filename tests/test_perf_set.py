@@ -51,8 +51,43 @@ def test_run_starts_nothing_past_its_budget(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert [s["name"] for s in summary["steps"]] == ["bench 2 ranks", "bench 2 ranks, 0 helpers",
-                                                     "bench 2 ranks, 1 helpers", "bench_ddp 2 ranks x 1 threads"]
+    assert [s["name"] for s in summary["steps"]] == [
+        "bench 2 ranks", "bench 2 ranks, staged against single copy", "bench 2 ranks, 0 helpers",
+        "bench 2 ranks, 1 helpers", "bench_ddp 2 ranks x 1 threads"]
     assert all(s.get("skipped") == "budget" for s in summary["steps"]), summary
     assert summary["host"]["torch"] == torch.__version__
     assert sorted(p.name for p in out.iterdir()) == ["perf.log", "summary.json"]
+
+
+def test_the_full_set_narrows_the_runs_from_4_ranks(tmp_path):
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, SCRIPT, "run", "--installed", "--budget", "0", "--out", out],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    cmds = {s["name"]: s["cmd"] for s in json.loads((out / "summary.json").read_text())["steps"]}
+
+    def option(name, flag):
+        cmd = cmds[name]
+        return cmd[cmd.index(flag) + 1] if flag in cmd else None
+
+    assert option("bench 2 ranks", "--dtypes") == "float32,bfloat16" and option("bench 2 ranks", "--backends") is None
+    for n in (4, 8):
+        assert option(f"bench {n} ranks", "--dtypes") == "float32"
+        assert option(f"bench {n} ranks", "--backends") == "ccl,pg,oneccl,oneccl+w"
+    assert "bench_ddp 2 ranks x 7 threads workers=1" in cmds
+
+
+def test_report_compares_ccl_with_the_faster_oneccl_column(tmp_path):
+    def point(op, size, backend, us):
+        return {"op": op, "dtype": "float32", "bytes": size, "backend": backend, "median_us": us}
+
+    run = {"world": 4, "points": [point("allreduce", 4096, "ccl", 10.0), point("allreduce", 4096, "oneccl", 20.0),
+                                  point("allreduce", 4096, "oneccl+w", 40.0), point("allgather", 1 << 20, "ccl", 300.0),
+                                  point("allgather", 1 << 20, "oneccl", 250.0),
+                                  point("allgather", 1 << 20, "oneccl+w", 200.0)]}
+    (tmp_path / "bench-4ranks.json").write_text(json.dumps(run))
+    r = subprocess.run([sys.executable, SCRIPT, "report", tmp_path], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {line.split()[0]: line.split()[-1] for line in r.stdout.splitlines() if line.startswith("  all")}
+    assert rows == {"allreduce": "0.50", "allgather": "*"}, r.stdout
+    assert "1.50 *" in r.stdout and "worst ccl/best: 1.50" in r.stdout, r.stdout

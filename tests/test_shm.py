@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 import time
 import uuid
 
@@ -40,6 +41,8 @@ def _backend(group=None):
 
 
 def _paths(rank, world):
+    from oneccl_bind_pt import _C
+
     pg = _backend()
     g = _oneccl_group(world)
     return {
@@ -48,14 +51,20 @@ def _paths(rank, world):
                   for s in (1 << 20, 1 << 30)},
         "off": _backend(g)._path("allreduce", 4),
         "single_copy": pg._single_copy(),
+        "helpers": int(_C.helpers().split()[1]),  # "helpers N (why)"
     }
 
 
+INTEL = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+
 SINGLE_COPY = {
-    # The measured bands (src/route.cpp): reduce_scatter and allgather around 1 MiB.
+    # The measured bands (src/route.cpp): on Intel CPUs without helper threads allgather,
+    # reduce_scatter and allreduce from 1 MiB up and send up to 1 MiB; otherwise allgather
+    # and reduce_scatter around 1 MiB.
     "default": {},
     "from-256K": {"ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES": "256K"},
     "off": {"ONECCL_BIND_PT_SHM_SINGLE_COPY": "0"},
+    "helpers": {"ONECCL_BIND_PT_HELPERS": "1"},  # the default bands with a helper thread
 }
 
 
@@ -66,7 +75,9 @@ def test_paths_and_the_switch(setting):
     assert got["off"] == "oneccl"
     # Large messages: staged in chunks, or read from peers' tensors (this machine lets
     # ranks of one user read each other) where the setting says.
-    cma = {"default": {"allgather 1M", "reduce_scatter 1M"},
+    intel = {f"{k} {s}M" for k in ("allreduce", "allgather", "reduce_scatter") for s in (1, 1024)} | {"send 1M"}
+    narrow = {"allgather 1M", "reduce_scatter 1M"}
+    cma = {"default": intel if INTEL and got["helpers"] == 0 else narrow, "helpers": narrow,
            "from-256K": {f"{k} {s}M" for k in ("allreduce", "allgather", "reduce_scatter", "send")
                          for s in (1, 1024)},
            "off": set()}[setting]
@@ -92,19 +103,23 @@ def _alltoall(rank, world):
     dist.all_to_all_single(out, torch.arange(n, dtype=torch.float32) + rank * n)
     share = n // world
     want = torch.cat([torch.arange(rank * share, (rank + 1) * share, dtype=torch.float32) + r * n for r in range(world)])
-    return _backend()._path("alltoall", 1 << 20), _backend()._path("alltoall", 4 << 20), torch.equal(out, want)
+    from oneccl_bind_pt import _C
+
+    wide = INTEL and _C.helpers().startswith("helpers 0 ")  # single copy's Intel bands (route.cpp)
+    return _backend()._path("alltoall", 1 << 20), _backend()._path("alltoall", 4 << 20), torch.equal(out, want), wide
 
 
 @pytest.mark.parametrize("atl_shm", [None, "1"])
 def test_alltoall_route(atl_shm, monkeypatch):
     # The one default crossover (src/route.cpp): all-to-all above 1 MiB per rank goes to
     # oneCCL only when oneCCL has its own shared memory (CCL_ATL_SHM=1); on one host the
-    # package sets 0 (None: left to it), and shared memory keeps every size.
+    # package sets 0 (None: left to it), and shared memory keeps every size (read from the
+    # peers directly on Intel CPUs without helper threads).
     monkeypatch.delenv("CCL_ATL_SHM", raising=False)
     env = {"CCL_ATL_SHM": atl_shm} if atl_shm else {}
-    above = "oneccl" if atl_shm else "shm"
-    for got in run_ranks(_alltoall, 2, env=env):
-        assert got == ("shm", above, True), got
+    for *got, wide in run_ranks(_alltoall, 2, env=env):
+        ours = "cma" if wide else "shm"
+        assert tuple(got) == (ours, "oneccl" if atl_shm else ours, True), got
 
 
 # Sizes around the 2 MiB staging buffer and its chunks, odd so that slices and
@@ -410,7 +425,8 @@ def test_nothing_left_in_dev_shm_after_exit_destroy_or_sigkill():
     assert rcs == [0, 0], outs
     assert not _left_in_dev_shm(pids)
 
-    # Staged, then with the 4 MiB allreduces reading the peer's tensor directly (single copy).
+    # The default routes (on Intel CPUs the 4 MiB allreduces read the peer's tensor
+    # directly), then single copy from 256 KiB.
     for env in SINGLE_COPY["default"], SINGLE_COPY["from-256K"]:
         seen = set()
         pids, rcs, outs = _job(LOOP, kill=_kill_mid_collective(seen), timeout=90, env=env)

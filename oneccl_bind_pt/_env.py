@@ -47,10 +47,10 @@ CCL_WORKER_OFFLOAD         ``0``, unless               oneCCL's worker thread bu
                            CCL_WORKER_AFFINITY,        progresses in the thread that waits
                            worker_plan)                for it (or our background thread
                                                        for Futures). Workers stay off
-                                                       unless asked: with them oneCCL
-                                                       matched many more point-to-point
-                                                       messages between two ranks out of
-                                                       send order.
+                                                       unless asked: on one host our
+                                                       transport carries the ops, and
+                                                       across hosts their gain is not
+                                                       measured yet.
 CCL_KVS_IFACE              ``lo`` when every rank is   oneCCL's bootstrap listener binds
                            on this host, else the NIC  the interface the job uses, not the
                            that routes to rank 0's     first NIC it finds (nor all of them),
@@ -178,8 +178,8 @@ def _workers_asked(env: MutableMapping[str, str]) -> int | str | None:
 
 
 # Why workers are off unless asked for (docs/multi-node.md, "oneCCL's worker threads").
-OFF_BY_DEFAULT = ("off unless asked: with them oneCCL matched many more point-to-point messages between two "
-                  "ranks out of send order; ONECCL_BIND_PT_WORKERS=auto chooses by the cores, =N sets the count")
+OFF_BY_DEFAULT = ("off unless asked: each busy-polls a core while an op is under way, and across hosts their gain "
+                  "is not measured yet; ONECCL_BIND_PT_WORKERS=auto chooses by the cores, =N sets the count")
 
 
 def worker_plan(env: MutableMapping[str, str], *, local_rank: int, local_size: int, oneccl_carries: bool,

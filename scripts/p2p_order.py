@@ -9,9 +9,10 @@ Two ranks on this host, every op through oneCCL (ONECCL_BIND_PT_SHM=0). Each rou
 posts --in-flight irecvs from the other (tags 0, 1, ...), then as many isends, then waits for
 all of them. oneCCL has no tags: a recv takes a message from its sender, and for tags to mean
 anything the i-th recv must get the i-th send. Prints, per rank, how many of the received
-tensors held another send's values. With several in flight oneCCL matched some out of order,
-rarely without its worker threads and often with them (docs/multi-node.md, "oneCCL's worker
-threads"); with one in flight each way none can be.
+tensors held another send's values. Handed to oneCCL all at once, several in flight were matched
+out of order, rarely without its worker threads and often with them; the transport now hands a
+peer's sends (and recvs) over one at a time, and none should be (docs/multi-node.md,
+"Point-to-point across hosts").
 """
 
 from __future__ import annotations

@@ -230,8 +230,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::send(
   check_rank(op, "destination rank", dst_rank, getSize());
   CCL_CHECK_ARG(dst_rank != getRank(), "ccl send: a rank cannot send to itself (rank ", dst_rank, ")");
   Call call{kSend, timeout_, {t}, {t}};
-  // Shared memory honours tags; oneCCL has none, and with several messages in flight between
-  // two ranks it may match them out of send order (scripts/p2p_order.py).
+  // Shared memory honours tags; oneCCL has none: it pairs a peer's sends and recvs by order,
+  // which its transport keeps by handing them over one at a time per line (P2pTurn).
   call.prims.push_back(bytes(K::Send, ptr(t), nullptr, nbytes(t), dst_rank, tag));
   return run(std::move(call));
 }

@@ -51,11 +51,8 @@ void issue(ccl::communicator& comm, const Prim& p, std::vector<ccl::event>& even
       events.push_back(ccl::alltoallv(p.src, p.send_counts, p.dst, p.recv_counts, kByteType, comm));
       break;
     case K::Send:
-      events.push_back(ccl::send(const_cast<void*>(p.src), p.count, kByteType, p.peer, comm));
-      break;
     case K::Recv:
-      events.push_back(ccl::recv(p.dst, p.count, kByteType, p.peer, comm));
-      break;
+      TORCH_INTERNAL_ASSERT(false, "ccl: send and recv are issued in their line (P2pTurn)");
     case K::Barrier:
       // ccl::barrier blocks the calling thread until every rank arrives, so
       // it could never time out (and barrier(async_op=True) would not be
@@ -67,52 +64,117 @@ void issue(ccl::communicator& comm, const Prim& p, std::vector<ccl::event>& even
   }
 }
 
+bool is_p2p(const Prim& p) {
+  return p.kind == Prim::Kind::Send || p.kind == Prim::Kind::Recv;
+}
+
 class CclPending final : public Pending {
  public:
-  CclPending(ccl::communicator& comm, const char* op, std::vector<Prim> prims) : op_(op), prims_(std::move(prims)) {
-    for (const auto& p : prims_) {
-      try {
-        issue(comm, p, events_, scratch_);
-      } catch (const std::exception& e) {
-        const auto msg = std::string("ccl ") + op_ + ": oneCCL rejected the call: " + e.what();
-        if (events_.empty()) {
-          C10_THROW_ERROR(DistBackendError, msg); // nothing started: the group is fine
-        }
-        // Part of the op is in flight: peers and buffers are in an unknown state.
-        issue_error_ = msg + " (after part of it had started)";
-        break;
-      }
-    }
+  CclPending(ccl::communicator& comm, std::vector<std::shared_ptr<P2pTurn>> turns, const char* op,
+             std::vector<Prim> prims)
+      : comm_(comm), op_(op), prims_(std::move(prims)), turns_(std::move(turns)) {
+    issue_ready(); // throws if nothing could start (its turns given up: their lines go on)
   }
 
   bool poll() override {
+    issue_ready();
     while (next_ < events_.size()) {
       if (!events_[next_].test()) {
         return false;
       }
       ++next_;
     }
+    for (const auto& turn : turns_) {
+      if (!turn->complete()) {
+        return false;
+      }
+    }
     if (!issue_error_.empty()) {
       C10_THROW_ERROR(DistBackendError, issue_error_);
     }
-    return true;
+    return issued_ == prims_.size();
   }
 
  private:
+  // Issues every Prim not yet issued that may start: collectives at once, in order; a
+  // send or recv once its line lets it. Lines wait only on themselves, not on each other
+  // (a batch's recv from one peer never holds back its send to another).
+  void issue_ready() {
+    for (size_t i = 0, t = 0; i < prims_.size() && issue_error_.empty(); ++i) {
+      const Prim& p = prims_[i];
+      P2pTurn* turn = is_p2p(p) ? turns_[t++].get() : nullptr;
+      if (started_[i] || (turn && turn->before && !turn->before->complete())) {
+        continue;
+      }
+      try {
+        if (turn) {
+          turn->event = p.kind == Prim::Kind::Send
+              ? ccl::send(const_cast<void*>(p.src), p.count, kByteType, p.peer, comm_)
+              : ccl::recv(p.dst, p.count, kByteType, p.peer, comm_);
+          turn->before.reset();
+        } else {
+          issue(comm_, p, events_, scratch_);
+        }
+      } catch (const std::exception& e) {
+        const auto msg = std::string("ccl ") + op_ + ": oneCCL rejected the call: " + e.what();
+        give_up_turns();
+        if (issued_ == 0) {
+          C10_THROW_ERROR(DistBackendError, msg); // nothing started: the group is fine
+        }
+        // Part of the op is in flight: peers and buffers are in an unknown state.
+        issue_error_ = msg + " (after part of it had started)";
+        return;
+      }
+      started_[i] = true;
+      ++issued_;
+    }
+  }
+
+  // The turns not issued will never be: the ops after them in their lines go ahead.
+  void give_up_turns() {
+    for (const auto& turn : turns_) {
+      if (!turn->event) {
+        turn->before.reset();
+        turn->done = true;
+      }
+    }
+  }
+
+  ccl::communicator& comm_;
   const char* op_;
   std::vector<Prim> prims_; // oneCCL may refer to their count vectors until done
+  std::vector<std::shared_ptr<P2pTurn>> turns_; // one per send/recv Prim, in order
   std::vector<ccl::event> events_;
   // The barrier's allreduce buffers: here, since an op that timed out is
   // kept (never freed) with its Pending while oneCCL may still write them.
   uint8_t scratch_[2] = {0, 0};
-  size_t next_ = 0;
+  std::vector<bool> started_ = std::vector<bool>(prims_.size()); // per Prim: handed to oneCCL
+  size_t next_ = 0;   // the first event not yet seen done
+  size_t issued_ = 0; // Prims handed to oneCCL
   std::string issue_error_;
 };
 
 } // namespace
 
+bool P2pTurn::complete() {
+  if (!done && event && event->test()) {
+    done = true;
+  }
+  return done;
+}
+
 std::unique_ptr<Pending> CclTransport::start(const char* op, std::vector<Prim> prims) {
-  return std::make_unique<CclPending>(comm_, op, std::move(prims));
+  std::vector<std::shared_ptr<P2pTurn>> turns;
+  for (const auto& p : prims) {
+    if (is_p2p(p)) {
+      auto& last = lines_[{p.peer, p.kind == Prim::Kind::Send}];
+      auto turn = std::make_shared<P2pTurn>();
+      turn->before = last && !last->done ? last : nullptr;
+      last = turn;
+      turns.push_back(std::move(turn));
+    }
+  }
+  return std::make_unique<CclPending>(comm_, std::move(turns), op, std::move(prims));
 }
 
 namespace {

@@ -7,7 +7,24 @@
 
 #include <oneapi/ccl.hpp>
 
+#include <map>
+#include <memory>
+#include <optional>
+#include <utility>
+
 namespace oneccl_bind_pt {
+
+// One send or recv's place in the line of p2p ops between this rank and one peer in one
+// direction. oneCCL has no tags: it pairs a recv with a send by order alone, and with
+// several in flight between two ranks it paired some out of send order
+// (scripts/p2p_order.py). So each one is handed to oneCCL only once the one before it in
+// its line has completed. Used under Progress's lock only.
+struct P2pTurn {
+  std::shared_ptr<P2pTurn> before; // until this one is issued
+  std::optional<ccl::event> event; // once issued
+  bool done = false;               // completed, or will never run (its op failed to start)
+  bool complete();
+};
 
 class CclTransport final : public Transport {
  public:
@@ -17,6 +34,8 @@ class CclTransport final : public Transport {
 
  private:
   ccl::communicator& comm_;
+  // The last p2p op of each line: (peer, true for sends).
+  std::map<std::pair<int, bool>, std::shared_ptr<P2pTurn>> lines_;
 };
 
 // oneCCL reads its environment once, here; the Python package sets its

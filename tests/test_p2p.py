@@ -184,17 +184,18 @@ def test_large_messages_stream_both_ways(path):
     assert all(run_ranks(_large_both_ways, 2, env=SHM_PATHS[path]))
 
 
-def test_oneccl_path_matches_one_message_at_a_time_in_order(tmp_path):
-    """oneCCL has no tags: on its path a recv takes a message from its sender. With several
-    in flight between two ranks oneCCL matched some out of send order (rarely without its
-    worker threads: 2 of 300 once under CI load; often with them), which is why workers stay
-    off unless asked and the docs say to keep one message each way in flight there
-    (scripts/p2p_order.py). This checks that one at a time, 300 messages each way arrive
-    whole and in order, without workers (the default)."""
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_oneccl_path_keeps_send_order_with_several_in_flight(tmp_path, workers):
+    """oneCCL has no tags: on its path a recv takes a message from its sender. Handed to it all
+    at once, several in flight between two ranks were matched out of send order (with a oneCCL
+    worker in every run, 6-88 of 900; without, 2 of 300 once under load), so the transport hands
+    them over one at a time per peer and direction (P2pTurn). Three in flight each way, 300
+    rounds, with and without a worker: every message must hold its own send's values."""
     script = Path(__file__).resolve().parent.parent / "scripts" / "p2p_order.py"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CCL_", "ONECCL_"))}
-    out = subprocess.run([sys.executable, str(script), "--workers", "0", "--in-flight", "1", "--rounds", "300"],
+    out = subprocess.run([sys.executable, str(script), "--workers", workers, "--in-flight", "3", "--rounds", "300"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+    setting = "CCL_WORKER_OFFLOAD=1, CCL_WORKER_COUNT=1" if workers == "1" else "CCL_WORKER_OFFLOAD=0, CCL_WORKER_COUNT=None"
     for rank in (0, 1):
-        assert f"rank {rank}: 0 of 300 messages out of order (CCL_WORKER_OFFLOAD=0, CCL_WORKER_COUNT=None)" in out.stdout, out
+        assert f"rank {rank}: 0 of 900 messages out of order ({setting})" in out.stdout, out

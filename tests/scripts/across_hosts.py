@@ -53,15 +53,19 @@ def check_ddp(rank, world):
 
 
 def check_p2p(rank, world):
-    # Point to point across the hosts, both directions at once, one message each way in flight.
+    # Point to point across the hosts, both directions at once, three messages each way in
+    # flight: oneCCL has no tags, so each must arrive in send order (docs/multi-node.md).
     if rank in (0, 1):
         peer = 1 - rank
-        for t in range(3):
-            got = torch.zeros(1 << 14)
-            works = [dist.irecv(got, src=peer, tag=t), dist.isend(torch.full((1 << 14,), 10.0 * rank + t), dst=peer, tag=t)]
+        for n in range(20):
+            outs = [torch.zeros(1 << 14) for _ in range(3)]
+            works = [dist.irecv(got, src=peer, tag=t) for t, got in enumerate(outs)]
+            works += [dist.isend(torch.full((1 << 14,), 100.0 * n + 10 * rank + t), dst=peer, tag=t) for t in range(3)]
             for w in works:
                 w.wait()
-            assert torch.equal(got, torch.full((1 << 14,), 10.0 * peer + t)), f"tag {t}: {got[:4].tolist()}"
+            for t, got in enumerate(outs):
+                want = 100.0 * n + 10 * peer + t
+                assert torch.equal(got, torch.full((1 << 14,), want)), f"round {n} tag {t}: {got[:4].tolist()}"
 
 
 def check_async(rank, world):

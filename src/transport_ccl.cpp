@@ -74,6 +74,7 @@ class CclPending final : public Pending {
              std::vector<Prim> prims)
       : comm_(comm), op_(op), prims_(std::move(prims)), turns_(std::move(turns)) {
     issue_ready(); // throws if nothing could start (its turns given up: their lines go on)
+    constructed_ = true;
   }
 
   bool poll() override {
@@ -103,10 +104,10 @@ class CclPending final : public Pending {
     for (size_t i = 0, t = 0; i < prims_.size() && issue_error_.empty(); ++i) {
       const Prim& p = prims_[i];
       P2pTurn* turn = is_p2p(p) ? turns_[t++].get() : nullptr;
-      if (started_[i] || (turn && turn->before && !turn->before->complete())) {
-        continue;
-      }
       try {
+        if (started_[i] || (turn && turn->before && !turn->before->complete())) {
+          continue;
+        }
         if (turn) {
           turn->event = p.kind == Prim::Kind::Send
               ? ccl::send(const_cast<void*>(p.src), p.count, kByteType, p.peer, comm_)
@@ -118,11 +119,12 @@ class CclPending final : public Pending {
       } catch (const std::exception& e) {
         const auto msg = std::string("ccl ") + op_ + ": oneCCL rejected the call: " + e.what();
         give_up_turns();
-        if (issued_ == 0) {
+        if (!constructed_ && issued_ == 0) {
           C10_THROW_ERROR(DistBackendError, msg); // nothing started: the group is fine
         }
-        // Part of the op is in flight: peers and buffers are in an unknown state.
-        issue_error_ = msg + " (after part of it had started)";
+        // Part of the op is in flight, or it waited for its turn and the ranks have moved
+        // on: peers and buffers are in an unknown state (poll() reports it).
+        issue_error_ = msg + (issued_ > 0 ? " (after part of it had started)" : " (after waiting for its turn)");
         return;
       }
       started_[i] = true;
@@ -151,6 +153,7 @@ class CclPending final : public Pending {
   std::vector<bool> started_ = std::vector<bool>(prims_.size()); // per Prim: handed to oneCCL
   size_t next_ = 0;   // the first event not yet seen done
   size_t issued_ = 0; // Prims handed to oneCCL
+  bool constructed_ = false;
   std::string issue_error_;
 };
 
@@ -164,17 +167,30 @@ bool P2pTurn::complete() {
 }
 
 std::unique_ptr<Pending> CclTransport::start(const char* op, std::vector<Prim> prims) {
+  // The turns join their lines only once the op exists: an op that failed to start (it
+  // throws) leaves no turn for later ones to wait on.
   std::vector<std::shared_ptr<P2pTurn>> turns;
+  std::map<std::pair<int, bool>, std::shared_ptr<P2pTurn>> last;
   for (const auto& p : prims) {
     if (is_p2p(p)) {
-      auto& last = lines_[{p.peer, p.kind == Prim::Kind::Send}];
+      const std::pair<int, bool> line{p.peer, p.kind == Prim::Kind::Send};
+      auto it = last.find(line);
+      std::shared_ptr<P2pTurn> before = it != last.end() ? it->second : nullptr;
+      if (!before) {
+        auto known = lines_.find(line);
+        before = known != lines_.end() ? known->second : nullptr;
+      }
       auto turn = std::make_shared<P2pTurn>();
-      turn->before = last && !last->done ? last : nullptr;
-      last = turn;
+      turn->before = before && !before->done ? before : nullptr;
+      last[line] = turn;
       turns.push_back(std::move(turn));
     }
   }
-  return std::make_unique<CclPending>(comm_, std::move(turns), op, std::move(prims));
+  auto pending = std::make_unique<CclPending>(comm_, std::move(turns), op, std::move(prims));
+  for (auto& [line, turn] : last) {
+    lines_[line] = std::move(turn);
+  }
+  return pending;
 }
 
 namespace {

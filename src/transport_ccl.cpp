@@ -78,7 +78,9 @@ class CclPending final : public Pending {
   }
 
   bool poll() override {
-    issue_ready();
+    if (issued_ < prims_.size()) { // every poll of an op: skip the walk once all started
+      issue_ready();
+    }
     while (next_ < events_.size()) {
       if (!events_[next_].test()) {
         return false;

@@ -27,7 +27,8 @@ checkout:
     float32 and bfloat16 with every default column (ccl, pg, oneccl, oneccl+w, gloo, raw, copy),
     from 4 ranks float32 with ccl, pg, oneccl and oneccl+w (--many-backends, --many-dtypes);
   - at 2 ranks, the helper sweep: bench of our transport alone (pg) with ONECCL_BIND_PT_HELPERS
-    at each of --helpers (0, 1, 3), allreduce, allgather, reduce_scatter, broadcast, 1-64 MiB;
+    at each of --helpers (0, 1, 3), allreduce, allgather, reduce_scatter, broadcast, sendrecv,
+    1-64 MiB;
   - at 2 ranks, staged against single copy (--single-sizes): where reading peers directly wins
     on this CPU;
   - python -m oneccl_bind_pt.bench_ddp at each of --ddp (2 ranks x 8 threads, 4 x 4, and 2 x 7
@@ -70,8 +71,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OPS = "allreduce,allgather,reduce_scatter,alltoall,broadcast,sendrecv"
 # The helper-thread sweep (ONECCL_BIND_PT_HELPERS): 2 ranks, our transport only, the ops
-# that copy and reduce large messages, at sizes the split reaches.
-HELPER_OPS = "allreduce,allgather,reduce_scatter,broadcast"
+# that copy and reduce large messages (a send's ring slots in runs), at sizes the split reaches.
+HELPER_OPS = "allreduce,allgather,reduce_scatter,broadcast,sendrecv"
 HELPER_SIZES = "1M,16M,64M"
 # What the extension dlopens or links that its wheel does not carry: libfabric and the
 # providers one host needs (without them the first group fails with "fi_getinfo error: ret

@@ -225,6 +225,40 @@ void copy_bytes(void* dst, const void* src, size_t n) {
   }, &job);
 }
 
+bool copies_split() {
+  return helper_plan().count > 0;
+}
+
+void copy_ranges(const CopyRange* ranges, size_t count) {
+  size_t total = 0;
+  for (size_t i = 0; i < count; ++i) {
+    total += ranges[i].n;
+  }
+  if (total < kSplitFrom || helper_plan().count == 0) {
+    for (size_t i = 0; i < count; ++i) {
+      copy_here(ranges[i].dst, ranges[i].src, ranges[i].n);
+    }
+    return;
+  }
+  struct Job {
+    const CopyRange* ranges;
+    size_t count;
+  } job{ranges, count};
+  // [lo, hi) of the ranges laid end to end.
+  split(total, 64, kMinPiece, [](void* ctx, size_t lo, size_t hi) {
+    auto* j = static_cast<Job*>(ctx);
+    size_t at = 0;
+    for (size_t i = 0; i < j->count && at < hi; at += j->ranges[i].n, ++i) {
+      const CopyRange& r = j->ranges[i];
+      const size_t a = std::max(lo, at);
+      const size_t b = std::min(hi, at + r.n);
+      if (a < b) {
+        copy_here(static_cast<char*>(r.dst) + (a - at), static_cast<const char*>(r.src) + (a - at), b - a);
+      }
+    }
+  }, &job);
+}
+
 void reduce(ReduceKernel kernel, size_t unit, void* out, const void* const* in, int n, size_t count) {
   if (count * unit < kSplitFrom || helper_plan().count == 0) {
     kernel(out, in, n, count);

@@ -60,6 +60,17 @@ at::ScalarType kernel_dtype(at::ScalarType dtype);
 // (helpers.hpp).
 void copy_bytes(void* dst, const void* src, size_t n);
 
+// Several copies as one (a run of a send's ring slots): split across the helper threads
+// by their total bytes from kSplitFrom on, a piece possibly spanning two copies.
+struct CopyRange {
+  void* dst;
+  const void* src;
+  size_t n;
+};
+void copy_ranges(const CopyRange* ranges, size_t count);
+// Whether copies of kSplitFrom bytes and more are split (this process has helper threads).
+bool copies_split();
+
 // kernel(out, in, n, count), split across the helper threads from 256 KiB of output;
 // `unit` is the bytes of one element the kernel counts. At most kMaxReduceInputs inputs;
 // `out` may be one of them exactly (not overlap one at another offset).

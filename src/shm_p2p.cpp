@@ -130,10 +130,18 @@ class ShmRecv final : public Pending {
 
 
 
+// With helper threads a run of up to half the ring moves as one split copy (and is
+// published at once), while the other side drains or fills the other half; without,
+// a slot at a time.
+static size_t slots_per_run() {
+  return copies_split() ? kSlots / 2 : 1;
+}
+
 void Shm::pump_sends(int dst) {
   auto& queue = sends_[dst];
   uint64_t* head = ring_head(rank_, dst);
   const uint64_t* tail = ring_tail(dst, rank_);
+  const size_t run = slots_per_run();
   while (!queue.empty()) {
     ShmSend* s = queue.front();
     if (s->msg_ == 0) {
@@ -141,28 +149,37 @@ void Shm::pump_sends(int dst) {
     }
     while (true) {
       const uint64_t h = *head; // only we write it
-      if (h - load_acquire(tail) >= kSlots) {
+      const uint64_t free = kSlots - (h - load_acquire(tail));
+      if (free == 0) {
         return; // ring full: the receiver has not caught up
       }
       // Single copy: one slot with the tensor's address, and the send is done once
-      // the receiver has moved past that slot. Else the bytes, a slot at a time.
-      const size_t n = s->single_copy_ ? 0 : std::min(kSlotBytes, s->bytes_ - s->sent_);
-      SlotHeader* hdr = slot(rank_, dst, h);
-      hdr->msg = s->msg_;
-      hdr->tag = s->tag_;
-      hdr->total = s->bytes_;
-      hdr->offset = s->sent_;
-      hdr->bytes = n;
-      hdr->addr = s->single_copy_ ? reinterpret_cast<uint64_t>(s->src_) : 0;
-      hdr->last = s->single_copy_ || s->sent_ + n == s->bytes_ ? 1 : 0;
-      if (n > 0) {
-        copy_bytes(reinterpret_cast<char*>(hdr) + kLine, s->src_ + s->sent_, n);
-      }
-      s->sent_ += n;
-      store_release(head, h + 1);
-      if (hdr->last) {
+      // the receiver has moved past that slot. Else the bytes, a slot each.
+      CopyRange copies[kSlots];
+      size_t k = 0;
+      uint64_t at = h;
+      bool last = false;
+      do {
+        const size_t n = s->single_copy_ ? 0 : std::min(kSlotBytes, s->bytes_ - s->sent_);
+        SlotHeader* hdr = slot(rank_, dst, at++);
+        hdr->msg = s->msg_;
+        hdr->tag = s->tag_;
+        hdr->total = s->bytes_;
+        hdr->offset = s->sent_;
+        hdr->bytes = n;
+        hdr->addr = s->single_copy_ ? reinterpret_cast<uint64_t>(s->src_) : 0;
+        last = s->single_copy_ || s->sent_ + n == s->bytes_;
+        hdr->last = last ? 1 : 0;
+        if (n > 0) {
+          copies[k++] = {reinterpret_cast<char*>(hdr) + kLine, s->src_ + s->sent_, n};
+        }
+        s->sent_ += n;
+      } while (!last && at - h < std::min<uint64_t>(free, run));
+      copy_ranges(copies, k);
+      store_release(head, at);
+      if (last) {
         if (s->single_copy_) {
-          s->read_by_ = h + 1;
+          s->read_by_ = at;
         } else {
           s->done_ = true;
         }
@@ -176,9 +193,11 @@ void Shm::pump_sends(int dst) {
 void Shm::pump_incoming(int src) {
   const uint64_t* head = ring_head(src, rank_);
   uint64_t* tail = ring_tail(rank_, src);
+  const size_t run = slots_per_run();
   while (true) {
     const uint64_t t = *tail; // only we write it
-    if (t == load_acquire(head)) {
+    const uint64_t ready = load_acquire(head) - t;
+    if (ready == 0) {
       return;
     }
     const SlotHeader* hdr = slot(src, rank_, t);
@@ -210,21 +229,32 @@ void Shm::pump_incoming(int src) {
         }
       }
     }
-    const char* data = reinterpret_cast<const char*>(hdr) + kLine;
+    // This slot and those after it of the same message (a sender streams one message
+    // to a peer at a time, so they follow each other until the last).
+    uint64_t n = 1;
     if (in && hdr->addr != 0) {
       read_message(*in, hdr->addr); // single copy: the whole message, from the sender's tensor
-    } else if (in) {
-      if (in->recv) {
-        in->recv->write(hdr->offset, data, hdr->bytes);
-      } else if (!in->held.empty() || hdr->bytes == 0) {
-        if (hdr->bytes > 0) {
-          copy_bytes(in->held.data() + hdr->offset, data, hdr->bytes);
+    } else {
+      while (n < std::min<uint64_t>(ready, run) && !slot(src, rank_, t + n - 1)->last) {
+        ++n;
+      }
+      // Into the recv's tensor (unless its size was refused), or held until a recv comes.
+      char* to = !in ? nullptr : in->recv ? in->recv->destination() : in->held.empty() ? nullptr : in->held.data();
+      CopyRange copies[kSlots];
+      size_t k = 0;
+      for (uint64_t i = 0; i < n; ++i) {
+        const SlotHeader* h = slot(src, rank_, t + i);
+        if (to && h->bytes > 0) {
+          copies[k++] = {to + h->offset, reinterpret_cast<const char*>(h) + kLine, h->bytes};
+        }
+        if (in) {
+          in->received += h->bytes;
         }
       }
-      in->received += hdr->bytes;
+      copy_ranges(copies, k);
     }
-    const bool last = hdr->last != 0;
-    store_release(tail, t + 1);
+    const bool last = slot(src, rank_, t + n - 1)->last != 0;
+    store_release(tail, t + n);
     if (last && in) {
       in->complete = true;
       if (in->recv) {

@@ -265,6 +265,21 @@ def _helper_split(rank, world, path, helpers):
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send)
     check("all_to_all_single", recv, torch.cat([raw_data(q, torch.uint8, (per,), salt=rank) for q in range(world)]))
+    if rank < 2:
+        # send/recv: runs of ring slots split across the helpers, both ways at once, two
+        # messages in flight each way (the second may come before its recv: held, then
+        # copied), odd tails.
+        peer = 1 - rank
+        sizes = [(3 << 20) + 5, (700 << 10) + 1]
+        sent = [raw_data(rank, torch.uint8, (s,), salt=s) for s in sizes]
+        got = [torch.zeros(s, dtype=torch.uint8) for s in sizes]
+        works = [dist.isend(t, peer, tag=i) for i, t in enumerate(sent)] + [dist.irecv(got[0], peer, tag=0)]
+        works[-1].wait()
+        works.append(dist.irecv(got[1], peer, tag=1))
+        for w in works:
+            w.wait()
+        for i, s in enumerate(sizes):
+            check(f"recv of {s} B from rank {peer}", got[i], raw_data(peer, torch.uint8, (s,), salt=s))
     return problems, _helper_threads()
 
 

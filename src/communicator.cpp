@@ -92,7 +92,7 @@ Communicator::Communicator(
         std::string("ccl: creating the oneCCL communicator (rank ") + std::to_string(rank) +
             " of " + std::to_string(size) + ") failed: " + e.what());
   }
-  ccl_ = std::make_unique<CclTransport>(*comm_);
+  ccl_ = std::make_unique<CclTransport>(*comm_, [this] { return broken() ? broken_reason() : std::string(); });
   shm_ = Shm::connect(store, rank, size, timeout, ccl_.get());
 }
 

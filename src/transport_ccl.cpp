@@ -70,16 +70,24 @@ bool is_p2p(const Prim& p) {
 
 class CclPending final : public Pending {
  public:
-  CclPending(ccl::communicator& comm, std::vector<std::shared_ptr<P2pTurn>> turns, const char* op,
-             std::vector<Prim> prims)
-      : comm_(comm), op_(op), prims_(std::move(prims)), turns_(std::move(turns)) {
+  CclPending(ccl::communicator& comm, const std::function<std::string()>& broken_reason,
+             std::vector<std::shared_ptr<P2pTurn>> turns, const char* op, std::vector<Prim> prims)
+      : comm_(comm), broken_reason_(broken_reason), op_(op), prims_(std::move(prims)), turns_(std::move(turns)) {
     issue_ready(); // throws if nothing could start (its turns given up: their lines go on)
     constructed_ = true;
   }
 
   bool poll() override {
-    if (issued_ < prims_.size()) { // every poll of an op: skip the walk once all started
-      issue_ready();
+    if (issued_ < prims_.size() && issue_error_.empty()) { // skip the walk once all started
+      if (std::string why = broken_reason_(); !why.empty()) {
+        // The group broke (an op before this one timed out or failed) while part of this
+        // one waited for its turn: that part is never handed to oneCCL.
+        issue_error_ = std::string("ccl ") + op_ + ": not started: the process group broke while it waited " +
+            "for the send or recv before it to or from the same peer: " + why;
+        give_up_turns();
+      } else {
+        issue_ready();
+      }
     }
     while (next_ < events_.size()) {
       if (!events_[next_].test()) {
@@ -145,6 +153,7 @@ class CclPending final : public Pending {
   }
 
   ccl::communicator& comm_;
+  const std::function<std::string()>& broken_reason_; // the transport's: it outlives its ops
   const char* op_;
   std::vector<Prim> prims_; // oneCCL may refer to their count vectors until done
   std::vector<std::shared_ptr<P2pTurn>> turns_; // one per send/recv Prim, in order
@@ -188,7 +197,7 @@ std::unique_ptr<Pending> CclTransport::start(const char* op, std::vector<Prim> p
       turns.push_back(std::move(turn));
     }
   }
-  auto pending = std::make_unique<CclPending>(comm_, std::move(turns), op, std::move(prims));
+  auto pending = std::make_unique<CclPending>(comm_, broken_reason_, std::move(turns), op, std::move(prims));
   for (auto& [line, turn] : last) {
     lines_[line] = std::move(turn);
   }

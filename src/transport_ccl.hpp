@@ -7,9 +7,11 @@
 
 #include <oneapi/ccl.hpp>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 
 namespace oneccl_bind_pt {
@@ -28,12 +30,16 @@ struct P2pTurn {
 
 class CclTransport final : public Transport {
  public:
-  explicit CclTransport(ccl::communicator& comm) : comm_(comm) {}
+  // broken_reason: why the group broke, or "" while it is usable: a send or recv still
+  // waiting for its turn then fails instead of being handed to oneCCL.
+  CclTransport(ccl::communicator& comm, std::function<std::string()> broken_reason)
+      : comm_(comm), broken_reason_(std::move(broken_reason)) {}
   // Throws if oneCCL rejects the first Prim; a later rejection surfaces from poll().
   std::unique_ptr<Pending> start(const char* op, std::vector<Prim> prims) override;
 
  private:
   ccl::communicator& comm_;
+  std::function<std::string()> broken_reason_;
   // The last p2p op of each line: (peer, true for sends).
   std::map<std::pair<int, bool>, std::shared_ptr<P2pTurn>> lines_;
 };

@@ -199,3 +199,35 @@ def test_oneccl_path_keeps_send_order_with_several_in_flight(tmp_path, workers):
     setting = "CCL_WORKER_OFFLOAD=1, CCL_WORKER_COUNT=1" if workers == "1" else "CCL_WORKER_OFFLOAD=0, CCL_WORKER_COUNT=None"
     for rank in (0, 1):
         assert f"rank {rank}: 0 of 900 messages out of order ({setting})" in out.stdout, out
+
+
+def _queued_recv_on_a_broken_group(rank, world):
+    from harness import announce, await_announcement
+
+    if rank == 1:
+        await_announcement("rank 0 done")  # sends nothing: rank 0's first recv times out
+        return "absent"
+    try:
+        first, second = torch.zeros(1 << 10), torch.zeros(1 << 10)
+        waiting = dist.irecv(first, 1, tag=0)
+        queued = dist.irecv(second, 1, tag=1)  # behind the first in its line (P2pTurn)
+        outcomes = []
+        for work in (waiting, queued):
+            try:
+                work.wait()
+                outcomes.append("completed")
+            except dist.DistBackendError as e:
+                outcomes.append(str(e).split("\n")[0])
+        return outcomes
+    finally:
+        announce("rank 0 done")
+
+
+def test_oneccl_path_fails_a_queued_recv_once_the_group_broke():
+    """On the oneCCL path a recv queued behind one that times out (its turn never comes) fails
+    at once with the reason the group broke, instead of being handed to oneCCL on the broken
+    group once its turn comes (or timing out on its own)."""
+    first, second = run_ranks(_queued_recv_on_a_broken_group, 2, pg_timeout=3, env=NO_SHM)[0]
+    assert "did not complete within 3000 ms" in first, first
+    assert "not started: the process group broke while it waited" in second, second
+    assert "did not complete within 3000 ms" in second, second  # the first one's reason

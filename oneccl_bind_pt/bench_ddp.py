@@ -34,9 +34,11 @@ the mean of the loss over them being what DDP's averaged gradients descend. Per 
   (relative L2 error). The learning rate (--lr; by default one that makes the reference's
   first step move the parameters by LR_MOVE of their norm) is large enough that bfloat16
   parameters move by many of their units in the last place: at a small rate updates round
-  away and the parameters never change, whatever the reduction did. bfloat16's update error
-  is mostly that rounding and grows as runs get shorter: it is judged against `local`'s
-  (at most half of it) where `local` ran.
+  away and the parameters never change, whatever the reduction did. Training amplifies
+  rounding step by step, so DDP and the reference drift apart even when every reduction is
+  right (float32, every backend alike: 1e-6 after 6 steps, 1e-2 after 10, 7e-2 after 14; at
+  a 20x smaller rate still 2e-2 after 31). So this is a coarse check, judged against
+  `local`'s (at most half of it) where `local` ran; the gradient check is the exact one.
 - the parameters are equal on every rank.
 
 `local` trains on its rank's data alone: its errors are what a reduction that kept only the
@@ -61,15 +63,15 @@ from oneccl_bind_pt.bench import DTYPES, GROUP_ENV, check_choices, group_with, l
 CONFIGS = ["ccl", "oneccl", "gloo", "local"]
 # Relative L2 error against the reference (module docstring). A wrong reduction is off by
 # about 1 (the sum instead of the mean, a zeroed gradient, one rank's gradient alone);
-# float32 agrees to 1e-6, bfloat16's gradient to a few 1e-2 (its rounding).
-GRAD_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 5e-2}
-UPDATE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-1}
-# bfloat16's update error is mostly its parameters' rounding at every step, and grows as the
-# run gets shorter (0.31 for every backend alike, gloo's too, at --steps 5 on two machines).
-# Where `local` ran, a configuration's update error is judged against local's instead (a
+# float32's gradient agrees to 1e-6, bfloat16's to a few 1e-2 (its rounding).
+GRAD_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+# The update error over a run grows with its length whatever the reductions did (module
+# docstring). Where `local` ran, a configuration's update error is judged against local's (a
 # rank training on its own rows, what a reduction that kept one rank's gradient gives): at
-# most this share of it.
+# most this share of it. Without `local`, against these, which hold for a few steps only
+# (float32, the default model: 1e-6 after 6 steps, 1e-2 after 10).
 UPDATE_SHARE_OF_LOCAL = 0.5
+UPDATE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-1}
 # The default learning rate makes the reference's first step move the parameters by this
 # fraction of their norm: far above bfloat16's rounding (about 0.2% of a value), so its
 # parameters move, yet small enough that a few steps stay a gentle descent.
@@ -117,7 +119,7 @@ def _reference_grad(params, xs, dtype, args):
 
 def update_limit(dtype, summary):
     """The update error a configuration may show (UPDATE_SHARE_OF_LOCAL)."""
-    if dtype == torch.bfloat16 and "local" in summary:
+    if "local" in summary:
         return UPDATE_SHARE_OF_LOCAL * summary["local"]["update_error"]
     return UPDATE_TOLERANCE[dtype]
 
@@ -213,7 +215,7 @@ def run(rank, world, args):
               "width": args.width, "layers": args.layers, "batch": args.batch, "steps": args.steps,
               "lr": {dt: lr for dt, (_, lr) in trained.items()},
               "tolerance": {dt: {"grad_error": GRAD_TOLERANCE[DTYPES[dt]], "update_error": UPDATE_TOLERANCE[DTYPES[dt]],
-                                 **({"update_error_share_of_local": UPDATE_SHARE_OF_LOCAL} if dt == "bfloat16" else {})}
+                                 "update_error_share_of_local": UPDATE_SHARE_OF_LOCAL}
                             for dt in results},
               "results": results}
     rows = []

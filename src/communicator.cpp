@@ -41,6 +41,9 @@ void unlink_fabric_segments(int pid) {
 
 constexpr const char* kAbandonedKey = "oneccl_bind_pt/abandoned_op";
 constexpr std::chrono::milliseconds kStoreWait{5000};
+constexpr const char* kTimedOutKey = "oneccl_bind_pt/timed_out/"; // + rank: roll_call()
+constexpr std::chrono::milliseconds kRollCallWait{500};
+constexpr std::chrono::milliseconds kRollCallSlack{300};
 constexpr std::chrono::milliseconds kHookWait{1000};
 
 // Abort hooks still running (process-wide): see run_abort_hooks().
@@ -101,7 +104,7 @@ void unlink_own_fabric_segments() {
 }
 
 template <class Fn>
-std::optional<std::invoke_result_t<Fn>> Communicator::bounded(Fn fn) const {
+std::optional<std::invoke_result_t<Fn>> Communicator::bounded(Fn fn, std::optional<std::chrono::milliseconds> limit) const {
   using T = std::invoke_result_t<Fn>;
   if (stores_silent_.load(std::memory_order_acquire)) {
     return std::nullopt;
@@ -127,12 +130,58 @@ std::optional<std::invoke_result_t<Fn>> Communicator::bounded(Fn fn) const {
     call->cv.notify_all();
   }).detach();
   std::unique_lock<std::mutex> lock(call->mutex);
-  const auto limit = std::min<std::chrono::milliseconds>(timeout_, kStoreWait);
-  if (!call->cv.wait_for(lock, limit, [&] { return call->done; })) {
-    stores_silent_.store(true, std::memory_order_release);
+  if (!call->cv.wait_for(lock, limit.value_or(std::min<std::chrono::milliseconds>(timeout_, kStoreWait)),
+                         [&] { return call->done; })) {
+    if (!limit) {
+      stores_silent_.store(true, std::memory_order_release);
+    }
     return std::nullopt;
   }
   return std::move(call->value);
+}
+
+std::string Communicator::roll_call() const {
+  const auto wait = std::min<std::chrono::milliseconds>(kRollCallWait, timeout_ / 4);
+  const auto missing = bounded([store = store_, rank = rank_, size = size_, wait] {
+    const auto key = [](int q) { return kTimedOutKey + std::to_string(q); };
+    store->set(key(rank), std::vector<uint8_t>{1});
+    std::vector<int> missing;
+    for (int q = 0; q < size; ++q) {
+      if (q != rank) {
+        missing.push_back(q);
+      }
+    }
+    const auto until = std::chrono::steady_clock::now() + wait;
+    for (;;) {
+      missing.erase(std::remove_if(missing.begin(), missing.end(), [&](int q) { return store->check({key(q)}); }),
+                    missing.end());
+      if (missing.empty() || std::chrono::steady_clock::now() >= until) {
+        return missing;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }, wait + kRollCallSlack); // a store cut off (a partition) answers nothing: the op's error must not wait on it
+  if (!missing) {
+    return " The group's store did not answer, so which rank stopped is not known.";
+  }
+  if (missing->empty()) {
+    return " Every other rank timed out too: none is missing; they may have called different collectives, or "
+           "the same ones in a different order.";
+  }
+  std::string names;
+  for (size_t i = 0; i < missing->size(); ++i) {
+    names += (i == 0 ? "" : i + 1 == missing->size() ? " and " : ", ") + std::string("rank ") +
+        std::to_string((*missing)[i]);
+  }
+  const bool one = missing->size() == 1;
+  return " Of the other ranks, " + names + (one ? " has" : " have") + " not timed out within " +
+      std::to_string(wait.count()) + " ms of this one: " + (one ? "it" : "they") +
+      " may have died, hung, or be elsewhere (computing, or in another collective).";
+}
+
+void Communicator::explain_break(const std::string& more) {
+  std::lock_guard<std::mutex> lock(why_mutex_);
+  why_ += more;
 }
 
 bool Communicator::peer_abandoned_an_op() const {

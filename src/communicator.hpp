@@ -94,6 +94,15 @@ class Communicator {
   bool broken() const { return broken_.load(std::memory_order_acquire); }
   std::string broken_reason() const;
 
+  // After an op of this group timed out here: a roll call through the group's store. This
+  // rank signs in, then waits at most min(0.5 s, timeout / 4) for every other rank to sign
+  // in too (each does when a timeout breaks its group). Returns a sentence for the error
+  // naming the ranks that did not: dead, hung, or elsewhere. Lock-step peers time
+  // out together, so a missing rank is the one to look at (oneCCL itself cannot say).
+  std::string roll_call() const;
+  // Adds to the reason later ops are refused with.
+  void explain_break(const std::string& more);
+
   // Backend::abort(): every op in flight on the group fails at its next poll
   // (a waiter polls continuously), and the group is broken. Idempotent.
   // `ops_in_flight`: some op may stay inside oneCCL for good (it cannot be
@@ -120,8 +129,9 @@ class Communicator {
   // timed out; oneCCL's key-value store client always), and teardown must not
   // wait on it. After one call is given up on, later ones are not tried: the
   // blocked thread may hold the store's lock.
+  // `limit` (if set) replaces that wait, and a call that passes it then leaves later calls be.
   template <class Fn>
-  std::optional<std::invoke_result_t<Fn>> bounded(Fn fn) const;
+  std::optional<std::invoke_result_t<Fn>> bounded(Fn fn, std::optional<std::chrono::milliseconds> limit = {}) const;
 
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;

@@ -157,6 +157,9 @@ bool WorkCCL::poll_locked(Clock::time_point now) {
         "The process group can no longer be used; destroy it and create a new one.";
     broke_group_ = comm_->mark_broken(msg);
     error_ = backend_error(msg);
+    if (broke_group_) {
+      timed_out_ = msg;
+    }
     expired_ = true;
     return true;
   }
@@ -165,6 +168,13 @@ bool WorkCCL::poll_locked(Clock::time_point now) {
 
 void WorkCCL::complete() {
   if (broke_group_) {
+    if (!timed_out_.empty()) {
+      // Which peers did not time out with us (the group's store; outside Progress's lock,
+      // since it waits for them).
+      const std::string roll = comm_->roll_call();
+      comm_->explain_break(roll);
+      error_ = backend_error(timed_out_ + roll);
+    }
     // Outside Progress's lock, before any waiter sees the error: a hook may
     // take the GIL (a Python one) or read the group's state for a dump.
     comm_->run_abort_hooks();

@@ -114,6 +114,7 @@ class WorkCCL : public c10d::Work {
   std::exception_ptr error_; // set by poll_locked, consumed by complete
   bool expired_ = false;
   bool broke_group_ = false; // its failure broke the group: the abort hooks run before it completes
+  std::string timed_out_;    // its timeout broke the group: the error, which complete() extends
   std::atomic<bool> done_{false};
   // The "ccl:<collective>" row while a profiler listens: started at issue,
   // ended at completion (maybe on another thread, hence async), like the

@@ -166,6 +166,8 @@ def _collective_times_out(rank, world):
             waited = time.monotonic() - start
             msg = str(e)
             assert "allreduce" in msg and "did not complete within 3000 ms" in msg, msg
+            # The roll call at the timeout: rank 1 is alive but elsewhere, so it never signs in.
+            assert "Of the other ranks, rank 1 has not timed out within 500 ms of this one" in msg, msg
             assert 2.5 < waited < 30, waited
         else:
             raise AssertionError("all_reduce did not time out")
@@ -173,7 +175,7 @@ def _collective_times_out(rank, world):
         try:
             dist.all_reduce(t)
         except RuntimeError as e:
-            assert "unusable" in str(e), str(e)
+            assert "unusable" in str(e) and "rank 1 has not timed out" in str(e), str(e)
         else:
             raise AssertionError("a timed-out group accepted new work")
         return "timed out"
@@ -183,6 +185,21 @@ def _collective_times_out(rank, world):
 
 def test_group_timeout_raises_instead_of_hanging(transport):
     assert run_ranks(_collective_times_out, 2, pg_timeout=3, env=TRANSPORTS[transport]) == ["timed out", "absent"]
+
+
+def _both_wait_to_receive(rank, world):
+    # Every rank waits for a message nobody sends: all time out together, none is missing.
+    try:
+        dist.recv(torch.zeros(4), 1 - rank)
+    except dist.DistBackendError as e:
+        return str(e).split("\n")[0]
+    return "received"
+
+
+def test_timeout_of_every_rank_says_none_is_missing(transport):
+    for rank, msg in enumerate(run_ranks(_both_wait_to_receive, 2, pg_timeout=3, env=TRANSPORTS[transport])):
+        assert "did not complete within 3000 ms" in msg and "Every other rank timed out too: none is missing" in msg, (
+            rank, msg)
 
 
 def _mismatched(rank, world, case):

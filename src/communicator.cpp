@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <condition_variable>
 #include <thread>
 
@@ -41,7 +42,7 @@ void unlink_fabric_segments(int pid) {
 
 constexpr const char* kAbandonedKey = "oneccl_bind_pt/abandoned_op";
 constexpr std::chrono::milliseconds kStoreWait{5000};
-constexpr const char* kTimedOutKey = "oneccl_bind_pt/timed_out/"; // + rank: roll_call()
+constexpr const char* kTimedOutKey = "oneccl_bind_pt/timed_out"; // "0,2,": roll_call()
 constexpr std::chrono::milliseconds kRollCallWait{500};
 constexpr std::chrono::milliseconds kRollCallSlack{300};
 constexpr std::chrono::milliseconds kHookWait{1000};
@@ -141,28 +142,52 @@ std::optional<std::invoke_result_t<Fn>> Communicator::bounded(Fn fn, std::option
 }
 
 std::string Communicator::roll_call() const {
-  const auto wait = std::min<std::chrono::milliseconds>(kRollCallWait, timeout_ / 4);
-  const auto missing = bounded([store = store_, rank = rank_, size = size_, wait] {
-    const auto key = [](int q) { return kTimedOutKey + std::to_string(q); };
-    store->set(key(rank), std::vector<uint8_t>{1});
-    std::vector<int> missing;
-    for (int q = 0; q < size; ++q) {
-      if (q != rank) {
-        missing.push_back(q);
-      }
-    }
+  if (size_ == 1) {
+    return "";
+  }
+  const auto wait = std::max<std::chrono::milliseconds>(
+      std::chrono::milliseconds(20), std::min<std::chrono::milliseconds>(kRollCallWait, timeout_ / 4));
+  // Whether the store answered at all: one that never did is cut off (below).
+  auto answered = std::make_shared<std::atomic<bool>>(false);
+  const auto missing = bounded([store = store_, rank = rank_, size = size_, wait, answered] {
+    // One key that every rank appends its number to: one round trip per look, whatever
+    // the group's size.
+    const std::string mine = std::to_string(rank) + ",";
+    store->append(kTimedOutKey, std::vector<uint8_t>(mine.begin(), mine.end()));
+    answered->store(true);
     const auto until = std::chrono::steady_clock::now() + wait;
     for (;;) {
-      missing.erase(std::remove_if(missing.begin(), missing.end(), [&](int q) { return store->check({key(q)}); }),
-                    missing.end());
-      if (missing.empty() || std::chrono::steady_clock::now() >= until) {
+      std::vector<bool> in(size, false);
+      const auto list = store->get(kTimedOutKey);
+      int count = 0;
+      for (size_t at = 0; at < list.size();) {
+        const auto comma = std::find(list.begin() + at, list.end(), uint8_t{','}) - list.begin();
+        const int q = std::atoi(std::string(list.begin() + at, list.begin() + comma).c_str());
+        if (q >= 0 && q < size && !in[q]) {
+          in[q] = true;
+          ++count;
+        }
+        at = comma + 1;
+      }
+      if (count == size || std::chrono::steady_clock::now() >= until) {
+        std::vector<int> missing;
+        for (int q = 0; q < size; ++q) {
+          if (!in[q]) {
+            missing.push_back(q);
+          }
+        }
         return missing;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   }, wait + kRollCallSlack); // a store cut off (a partition) answers nothing: the op's error must not wait on it
   if (!missing) {
-    return " The group's store did not answer, so which rank stopped is not known.";
+    if (!answered->load()) {
+      // Cut off: later calls (abort's, teardown's) need not wait on it either.
+      stores_silent_.store(true, std::memory_order_release);
+    }
+    return " The group's store did not answer (it may live in the process or on the host that stopped, "
+           "often rank 0's), so which rank stopped is not known.";
   }
   if (missing->empty()) {
     return " Every other rank timed out too: none is missing; they may have called different collectives, or "

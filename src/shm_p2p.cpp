@@ -130,9 +130,10 @@ class ShmRecv final : public Pending {
 
 
 
-// With helper threads a run of up to half the ring moves as one split copy (and is
-// published at once), while the other side drains or fills the other half; without,
-// a slot at a time.
+// With helper threads a run of half the ring (256 KiB, where copies start to split) moves
+// as one split copy and is published at once, while the other side drains or fills the
+// other half; a shorter run (a message's tail, a ring less free) and every run without
+// helpers go a slot at a time, so that sender and receiver still overlap.
 static size_t slots_per_run() {
   return copies_split() ? kSlots / 2 : 1;
 }
@@ -155,6 +156,8 @@ void Shm::pump_sends(int dst) {
       }
       // Single copy: one slot with the tensor's address, and the send is done once
       // the receiver has moved past that slot. Else the bytes, a slot each.
+      const size_t left = s->single_copy_ ? 1 : (s->bytes_ - s->sent_ + kSlotBytes - 1) / kSlotBytes;
+      const uint64_t slots = std::min<uint64_t>({free, run, std::max<size_t>(left, 1)}) == run ? run : 1;
       CopyRange copies[kSlots];
       size_t k = 0;
       uint64_t at = h;
@@ -174,7 +177,7 @@ void Shm::pump_sends(int dst) {
           copies[k++] = {reinterpret_cast<char*>(hdr) + kLine, s->src_ + s->sent_, n};
         }
         s->sent_ += n;
-      } while (!last && at - h < std::min<uint64_t>(free, run));
+      } while (!last && at - h < slots);
       copy_ranges(copies, k);
       store_release(head, at);
       if (last) {
@@ -238,6 +241,7 @@ void Shm::pump_incoming(int src) {
       while (n < std::min<uint64_t>(ready, run) && !slot(src, rank_, t + n - 1)->last) {
         ++n;
       }
+      n = n == run ? n : 1; // a short run: slot by slot (slots_per_run)
       // Into the recv's tensor (unless its size was refused), or held until a recv comes.
       char* to = !in ? nullptr : in->recv ? in->recv->destination() : in->held.empty() ? nullptr : in->held.data();
       CopyRange copies[kSlots];

@@ -77,17 +77,12 @@ class CclPending final : public Pending {
     constructed_ = true;
   }
 
+  // An op that failed before oneCCL had any of it leaves its buffers to its caller.
+  bool buffers_in_use_after_abort() const override { return issued_ > 0; }
+
   bool poll() override {
     if (issued_ < prims_.size() && issue_error_.empty()) { // skip the walk once all started
-      if (std::string why = broken_reason_(); !why.empty()) {
-        // The group broke (an op before this one timed out or failed) while part of this
-        // one waited for its turn: that part is never handed to oneCCL.
-        issue_error_ = std::string("ccl ") + op_ + ": not started: the process group broke while it waited " +
-            "for the send or recv before it to or from the same peer: " + why;
-        give_up_turns();
-      } else {
-        issue_ready();
-      }
+      issue_ready();
     }
     while (next_ < events_.size()) {
       if (!events_[next_].test()) {
@@ -111,6 +106,19 @@ class CclPending final : public Pending {
   // send or recv once its line lets it. Lines wait only on themselves, not on each other
   // (a batch's recv from one peer never holds back its send to another).
   void issue_ready() {
+    if (std::string why = broken_reason_(); !why.empty()) {
+      // The group broke (an op before this one timed out or failed), maybe while part of
+      // this one waited for its turn: what has not started is never handed to oneCCL.
+      give_up_turns();
+      const std::string msg = std::string("ccl ") + op_ + ": " +
+          (issued_ > 0 ? "not all of it started" : "not started") + ": the process group broke" +
+          (constructed_ ? " while it waited for the send or recv before it to or from the same peer: " : ": ") + why;
+      if (!constructed_) {
+        C10_THROW_ERROR(DistBackendError, msg);
+      }
+      issue_error_ = msg;
+      return;
+    }
     for (size_t i = 0, t = 0; i < prims_.size() && issue_error_.empty(); ++i) {
       const Prim& p = prims_[i];
       P2pTurn* turn = is_p2p(p) ? turns_[t++].get() : nullptr;

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,6 +158,7 @@ def three_ranks_on_two_hosts(two_hosts, tmp_path_factory):
     and the survivors run an allreduce (group timeout 5 s). Every rank's output."""
     killed = tmp_path_factory.mktemp("dead-peer") / "killed"
     ranks = _start(two_hosts, (2, 1), "world,dead-peer", env={"KILLED_FILE": str(killed)})
+    pid = None
     try:
         ranks[2].wait_for("waits to be killed", timeout=120)
         pid = int(re.search(r"rank 2 pid (\d+) waits to be killed", ranks[2].text).group(1))
@@ -167,6 +169,12 @@ def three_ranks_on_two_hosts(two_hosts, tmp_path_factory):
     finally:
         for r in ranks:
             r.close()
+        if pid is not None:
+            # Its libfabric segment (oneCCL's shared memory between the ranks of one host): on
+            # a real host 1 nobody is left to remove it, the survivors being on host 0; here the
+            # "hosts" share this machine's /dev/shm, which must not fill up run after run.
+            for leftover in Path("/dev/shm").glob(f"{pid}:*"):
+                leftover.unlink(missing_ok=True)
 
 
 def test_three_ranks_on_two_hosts_2_plus_1(three_ranks_on_two_hosts):

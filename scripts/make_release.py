@@ -56,8 +56,11 @@ SUBSETS = {
             "test_errors_are_the_kind_gloo_raises", "test_bad_input_raises_and_group_survives[2]",
             "test_group_timeout_raises_instead_of_hanging[shm]", "test_barrier_times_out_like_gloo[ccl-shm]",
             "test_barrier_times_out_like_gloo[ccl-oneccl]", "test_survivor_destroys_its_group_after_rank_0_exited")),
-        # p2p on both transports (tags, any-source receive, batched isend/irecv).
+        # p2p on both transports (tags, any-source receive, batched isend/irecv); the oneCCL
+        # path's send order and queued ops (P2pTurn) are the same C++ on every release: at home.
         "tests/test_p2p.py",
+        "--deselect", "tests/test_p2p.py::test_oneccl_path_keeps_send_order_with_several_in_flight",
+        "--deselect", "tests/test_p2p.py::test_oneccl_path_fails_a_queued_recv_once_the_group_broke",
         # A group built directly, as torch-ccl's own test file builds it.
         "tests/test_torch_ccl_compat.py",
         # abort and shrink go through the release's own entry points (Backend.abort, shrink_group);

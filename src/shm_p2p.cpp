@@ -157,7 +157,7 @@ void Shm::pump_sends(int dst) {
       // Single copy: one slot with the tensor's address, and the send is done once
       // the receiver has moved past that slot. Else the bytes, a slot each.
       const size_t left = s->single_copy_ ? 1 : (s->bytes_ - s->sent_ + kSlotBytes - 1) / kSlotBytes;
-      const uint64_t slots = std::min<uint64_t>({free, run, std::max<size_t>(left, 1)}) == run ? run : 1;
+      const uint64_t slots = free >= run && left >= run ? run : 1; // a short run: slot by slot
       CopyRange copies[kSlots];
       size_t k = 0;
       uint64_t at = h;

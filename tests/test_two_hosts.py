@@ -4,7 +4,10 @@ TCP provider, as between real nodes.
 
 Each job starts plain processes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as a launcher
 gives them) running tests/scripts/across_hosts.py, which prints one line per check; one
-launch serves several tests (the machine has two cores). Needs root (required under CI=true).
+launch serves several tests (the machine has two cores). Among them, what one host proves
+for each transport: the collective matrix (matrix.py) and PyTorch's behaviour as gloo gives
+it (vs_gloo.py), at 2 ranks (1 + 1, with and without oneCCL's worker) and 3 (2 + 1). Needs
+root (required under CI=true).
 """
 
 import json
@@ -21,7 +24,9 @@ import pytest
 import torch
 
 from harness import Lines, apt_install, communicate, free_port, popen, require
+from matrix import cases
 from test_launchers import BIN, ROOT
+from vs_gloo import SCENARIOS
 
 import netns  # scripts/, on the path through harness
 from ddp_reference import one_process_parameters
@@ -62,7 +67,10 @@ def _start(hosts, per_host, checks, env=None):
     base = {**_user_env(), "MASTER_ADDR": hosts.addr[0], "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
             "CHECKS": checks, **(env or {})}
     ranks = [(r, 0 if r < per_host[0] else 1) for r in range(world)]
-    return [Lines(popen(hosts.on(k, [sys.executable, SCRIPT]), cwd=ROOT, env={**base, "RANK": str(r)},
+    # gloo (the reference of the "gloo" check) binds to the interface it is told: the host
+    # names of the namespaces resolve to no address. The package is told nothing.
+    return [Lines(popen(hosts.on(k, [sys.executable, SCRIPT]), cwd=ROOT,
+                        env={**base, "RANK": str(r), "GLOO_SOCKET_IFNAME": hosts.dev[k]},
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
             for r, k in ranks]
 
@@ -93,12 +101,13 @@ def _assert_checks_ok(outs, check, ranks=None):
 # per rank (ONECCL_BIND_PT_WORKERS=1), the setting `auto` chooses where hosts have spare cores.
 @pytest.fixture(scope="module", params=["default", "worker"])
 def one_rank_on_each_of_two_hosts(two_hosts, request):
-    """Both ranks' output after DDP training, the p2p and async checks and a timeout, the bytes
-    host 0 sent over the link meanwhile, and whether a worker ran."""
+    """Both ranks' output after DDP training, the p2p and async checks, the collective matrix,
+    the comparison with gloo and a timeout, the bytes host 0 sent over the link meanwhile, and
+    whether a worker ran."""
     sent_before = _tx_bytes(two_hosts.ns[0], two_hosts.dev[0])
     worker = request.param == "worker"
     env = {"ONECCL_BIND_PT_WORKERS": "1"} if worker else {}
-    outs = _finish(_start(two_hosts, (1, 1), "ddp,p2p,async,timeout", env=env), 180)
+    outs = _finish(_start(two_hosts, (1, 1), "ddp,p2p,async,matrix,gloo,timeout", env=env), 300)
     for rank, out in enumerate(outs):
         assert f"rank {rank} workers {'1 1' if worker else '0 None'}\n" in out, out
     return outs, _tx_bytes(two_hosts.ns[0], two_hosts.dev[0]) - sent_before, worker
@@ -125,6 +134,32 @@ def test_async_p2p_and_futures_across_two_hosts(one_rank_on_each_of_two_hosts):
     # The data crossed the veth link, over TCP: rank 0's isends alone are 192 KiB, its share
     # of the 256 KiB allreduce at least 128 KiB more.
     assert sent > 256 * 1024, sent
+
+
+def _report(outs, what, rank):
+    """The JSON a rank printed for the "matrix" or "gloo" check."""
+    m = re.search(rf"^rank {rank} {what} (.*)$", outs[rank], re.M)
+    assert m, f"rank {rank} printed no {what} report:\n{outs[rank][-4000:]}"
+    return json.loads(m.group(1))
+
+
+def _assert_reported_ok(outs, what, key):
+    problems = {rank: _report(outs, what, rank)[key] for rank in range(len(outs))}
+    assert not any(problems.values()), problems
+
+
+def _matrix_and_gloo(world):
+    """What one host proves of each transport, by item: every case of the collective matrix
+    (tests/matrix.py: every op x reduce op x dtype, refusals included) and every scenario of
+    tests/vs_gloo.py (PyTorch's behaviour, as a gloo group of the same processes gives it)."""
+    return ([pytest.param("matrix", c.id, id=f"matrix-{c.id}") for c in cases(world)]
+            + [pytest.param("gloo", name, id=f"gloo-{name}") for name in SCENARIOS])
+
+
+# Over oneCCL between two hosts, with and without oneCCL's worker thread.
+@pytest.mark.parametrize("what, key", _matrix_and_gloo(2))
+def test_matrix_and_gloo_across_two_hosts(one_rank_on_each_of_two_hosts, what, key):
+    _assert_reported_ok(one_rank_on_each_of_two_hosts[0], what, key)
 
 
 def test_group_timeout_across_two_hosts_names_the_op(one_rank_on_each_of_two_hosts):
@@ -154,13 +189,14 @@ def _assert_world(outs, per_host):
 
 @pytest.fixture(scope="module")
 def three_ranks_on_two_hosts(two_hosts, tmp_path_factory):
-    """Ranks 0 and 1 on host 0, rank 2 on host 1: the world check, then rank 2 is SIGKILLed
-    and the survivors run an allreduce (group timeout 5 s). Every rank's output."""
+    """Ranks 0 and 1 on host 0, rank 2 on host 1: the world check, the matrix's 3-rank cases
+    and the comparison with gloo, then rank 2 is SIGKILLed and the survivors run an allreduce
+    (group timeout 5 s). Every rank's output."""
     killed = tmp_path_factory.mktemp("dead-peer") / "killed"
-    ranks = _start(two_hosts, (2, 1), "world,dead-peer", env={"KILLED_FILE": str(killed)})
+    ranks = _start(two_hosts, (2, 1), "world,matrix,gloo,dead-peer", env={"KILLED_FILE": str(killed)})
     pid = None
     try:
-        ranks[2].wait_for("waits to be killed", timeout=120)
+        ranks[2].wait_for("waits to be killed", timeout=300)
         pid = int(re.search(r"rank 2 pid (\d+) waits to be killed", ranks[2].text).group(1))
         os.kill(pid, signal.SIGKILL)  # same pid namespace: the namespaces split the network only
         ranks[2].proc.wait(60)
@@ -180,6 +216,11 @@ def three_ranks_on_two_hosts(two_hosts, tmp_path_factory):
 def test_three_ranks_on_two_hosts_2_plus_1(three_ranks_on_two_hosts):
     outs, _ = three_ranks_on_two_hosts
     _assert_world(outs, (2, 1))
+
+
+@pytest.mark.parametrize("what, key", _matrix_and_gloo(3))
+def test_matrix_and_gloo_on_three_ranks_across_two_hosts(three_ranks_on_two_hosts, what, key):
+    _assert_reported_ok(three_ranks_on_two_hosts[0], what, key)
 
 
 def test_dead_peer_on_the_other_host_makes_the_survivors_raise(three_ranks_on_two_hosts):

@@ -16,23 +16,33 @@ them); nothing tells the package which ranks share a host: it finds out itself.
                (last: the group is unusable afterwards)
     world      an allreduce and an allgather of host names on every rank: the hosts really are
                two, and the world's collectives go through oneCCL
+    matrix     tests/matrix.py's cases for this world size (collectives x reduce ops x dtypes,
+               refusals included); prints "rank R matrix {case: null or the error}" as JSON
+    gloo       tests/vs_gloo.py's scenarios on a gloo group and on the ccl group; prints
+               "rank R gloo {scenario: [differences]}" as JSON (gloo needs GLOO_SOCKET_IFNAME)
     dead-peer  the last rank prints its pid and waits to be SIGKILLed by the test; the others
                wait for the file KILLED_FILE, then run an allreduce on a group with a 5 s
                timeout, which must raise
 """
 
 import datetime
+import json
 import os
 import socket
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import oneccl_bind_pt  # noqa: F401
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the matrix and the gloo scenarios
+from matrix import run_all  # noqa: E402
+from vs_gloo import compare_with_gloo  # noqa: E402
 
 LR, STEPS = 0.5, 8  # large enough that a wrong gradient sum moves the parameters far
 
@@ -137,8 +147,25 @@ def check_dead_peer(rank, world):
     _allreduce_must_raise(group, 1 << 16, f"rank {rank} raised", "an allreduce completed without its dead peer")
 
 
+def check_matrix(rank, world):
+    # Cases that ran on a transport of one host would prove nothing about the one across hosts.
+    path = dist.group.WORLD._get_backend(torch.device("cpu"))._path("allreduce", 64)
+    assert path == "oneccl", f"the world group's allreduce takes {path}, not oneccl"
+    results = run_all(rank, world)
+    print(f"rank {rank} matrix {json.dumps(results)}", flush=True)
+    failed = sorted(case for case, error in results.items() if error)
+    assert not failed, f"{len(failed)} of {len(results)} cases failed: {', '.join(failed[:5])}"
+
+
+def check_gloo(rank, world):
+    report = compare_with_gloo(rank, world)
+    print(f"rank {rank} gloo {json.dumps(report)}", flush=True)
+    differ = sorted(name for name, problems in report.items() if problems)
+    assert not differ, f"ccl and gloo differ in {', '.join(differ)}"
+
+
 CHECKS = {"ddp": check_ddp, "p2p": check_p2p, "async": check_async, "timeout": check_timeout, "world": check_world,
-          "dead-peer": check_dead_peer}
+          "dead-peer": check_dead_peer, "matrix": check_matrix, "gloo": check_gloo}
 
 
 def main():

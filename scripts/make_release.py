@@ -77,10 +77,12 @@ SUBSETS = {
         # PyTorch's own suite, its smoke plan (6 cases against gloo; marked slow at home).
         "tests/test_pytorch_suite.py::test_ccl_matches_gloo[smoke]", "--runslow",
     ],
-    # The package checks (import, the version guards, the doctor's self-test on both transports)
-    # and PyTorch's own suite's smoke plan: where the release's Python API meets ours.
-    "suite-smoke": [
+    # The package checks (import, the version guards, the doctor's self-test on both transports),
+    # what the release's c10d API added or changed (compat.hpp's branches: test_release_api.py)
+    # and PyTorch's own suite's smoke plan: where the release's API meets ours.
+    "api": [
         "tests/test_package.py",
+        "tests/test_release_api.py",
         "tests/test_pytorch_suite.py::test_ccl_matches_gloo[smoke]", "--runslow",
     ],
     # check_wheel's DDP under two launchers is the whole proof.

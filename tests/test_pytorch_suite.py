@@ -11,8 +11,8 @@ tests/pytorch_suite/ runs torch's suite for one backend as torch's CI does
   the test whether gloo passes it (a regression) or not (the harness or the
   machine is at fault); so does a listed case that now passes on ccl.
 
-By default the ci-ws2 and ci-ws3 plans run (selection.py); the whole suite at
-world sizes 2 and 3, and the smoke plan, with --runslow.
+By default the ci-ws2 and ci-ws3 plans run (selection.py), and oneccl-ws2 on the
+oneCCL path; the whole suite at world sizes 2 and 3, and the smoke plan, with --runslow.
 """
 
 import functools
@@ -25,7 +25,7 @@ from pytorch_suite import known_issues, loader
 from pytorch_suite.check import check_plan, judge
 from pytorch_suite.compare import compare
 from pytorch_suite.runner import FAILED, PASSED, SKIPPED, CaseResult, SuiteRun, inventory
-from pytorch_suite.selection import PLANS
+from pytorch_suite.selection import PLANS, TRANSPORT_ENV
 
 
 GATES = """
@@ -111,6 +111,7 @@ def test_known_issues_name_real_cases():
     for name, known in known_issues.KNOWN.items():
         assert known.category in (known_issues.BUG, known_issues.GLOO, known_issues.GATE), name
         assert known.reason, name
+        assert known.transports and set(known.transports) <= set(TRANSPORT_ENV), name
 
 
 def test_default_plans_run_a_listed_case():
@@ -118,7 +119,7 @@ def test_default_plans_run_a_listed_case():
     # plan CI runs keeps one, so that the check can fire there.
     for plan in PLANS.values():
         if plan.quick:
-            listed = [name for name in plan.cases if plan.world_size in getattr(known_issues.KNOWN.get(name), "world_sizes", ())]
+            listed = [name for name in plan.cases if name in known_issues.known_for(plan.world_size, plan.transport)]
             assert listed, f"plan {plan.name} runs no case of known_issues.py"
 
 

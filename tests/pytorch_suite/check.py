@@ -9,7 +9,7 @@ from __future__ import annotations
 from pytorch_suite import known_issues
 from pytorch_suite.compare import compare, excerpt
 from pytorch_suite.runner import PASSED, SuiteRun, run_suite
-from pytorch_suite.selection import Plan
+from pytorch_suite.selection import TRANSPORT_ENV, Plan
 
 
 def check_plan(plan: Plan) -> list[str]:
@@ -22,8 +22,8 @@ def check_plan(plan: Plan) -> list[str]:
     entry, so the list stays true); a run that stopped early.
     """
     ccl = run_suite("ccl", plan.world_size, select=plan.cases, timeout=plan.timeout, case_timeout=plan.case_timeout,
-                    start=plan.start)
-    known = {name for name, k in known_issues.KNOWN.items() if plan.world_size in k.world_sizes}
+                    start=plan.start, env=TRANSPORT_ENV[plan.transport])
+    known = known_issues.known_for(plan.world_size, plan.transport)
     again = sorted(name for name, case in ccl.cases.items() if case.outcome != PASSED and name not in known)
     gloo = (run_suite("gloo", plan.world_size, select=again, timeout=plan.timeout, case_timeout=plan.case_timeout,
                       start=plan.start)
@@ -33,7 +33,8 @@ def check_plan(plan: Plan) -> list[str]:
 
 def judge(plan: Plan, ccl: SuiteRun, gloo: SuiteRun | None) -> list[str]:
     """check_plan's verdict on its runs (gloo: the cases rerun there, or None)."""
-    cmp = compare(gloo or SuiteRun("gloo", ccl.world_size, {}, 0.0, 0, ""), ccl)
+    cmp = compare(gloo or SuiteRun("gloo", ccl.world_size, {}, 0.0, 0, ""), ccl,
+                  known_issues.known_for(plan.world_size, plan.transport))
     problems = []
     passed = ccl.counts()[PASSED]
     if passed < plan.min_passed:

@@ -45,7 +45,8 @@ class Comparison:
 
 
 def compare(gloo: SuiteRun, ccl: SuiteRun, known: dict[str, Known] = KNOWN) -> Comparison:
-    """gloo may hold only the cases ccl did not pass: a case ccl passed needs no baseline."""
+    """gloo may hold only the cases ccl did not pass: a case ccl passed needs no baseline.
+    known: the entries that may apply (a run on the oneCCL path passes known_for(...))."""
     assert gloo.world_size == ccl.world_size, (gloo.world_size, ccl.world_size)
     world = gloo.world_size
     result = Comparison(world, [], [], [], [])

@@ -119,11 +119,13 @@ def run_suite(
     junit_xml: Path | None = None,
     log: Path | None = None,
     start: str = "spawn",
+    env: dict[str, str] | None = None,
 ) -> SuiteRun:
     """Runs the suite's cases (all, or the names in `select`) on `backend`.
 
     case_timeouts: seconds for particular cases (default: short ones for the known hangs).
     start: how a case starts its ranks, "spawn" (as torch's CI) or "fork" (selection.Plan.start).
+    env: variables for the ranks beside the suite's (selection.TRANSPORT_ENV's).
     """
     if start not in ("spawn", "fork"):
         raise ValueError(f"start must be 'spawn' or 'fork', not {start!r}")
@@ -150,12 +152,12 @@ def run_suite(
             # The parent's log: on a timeout, PyTorch logs each live rank's stack there.
             "-o", "junit_logging=log",
         ]
-        env = suite_env(backend, world_size, tmp / "run", case_timeout, init_method, case_timeouts)
-        env["PYTORCH_SUITE_START"] = start
+        ranks_env = {**suite_env(backend, world_size, tmp / "run", case_timeout, init_method, case_timeouts),
+                     **(env or {}), "PYTORCH_SUITE_START": start}
         start = time.monotonic()
         out_file = open(log, "w+") if log else tempfile.TemporaryFile("w+")
         with out_file:
-            proc = subprocess.Popen(cmd, cwd=HERE.parent, env=env, stdout=out_file, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(cmd, cwd=HERE.parent, env=ranks_env, stdout=out_file, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             try:
                 returncode = proc.wait(timeout=timeout)

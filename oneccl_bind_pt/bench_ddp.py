@@ -43,6 +43,11 @@ the mean of the loss over them being what DDP's averaged gradients descend. Per 
 
 `local` trains on its rank's data alone: its errors are what a reduction that kept only the
 rank's own gradient would give, shown beside the others' so the tolerances can be judged.
+
+`comm ms` counts DDP's own work too: it copies each gradient into its bucket (scaled by 1 /
+ranks) and, after the allreduce, the bucket back into the gradient, two passes over every
+gradient whatever the backend. --bucket-view passes gradient_as_bucket_view=True to every DDP
+configuration: the gradients are views of the buckets, and the copy back goes away.
 """
 
 from __future__ import annotations
@@ -128,7 +133,9 @@ def train(args, rank, world, dtype, groups, control):
     """Median and p90 ms per step (slowest rank) per configuration, and how its gradients and
     updates compare with the reference (module docstring); and the learning rate."""
     ddp = {c: make_model(args, dtype) if g is None else
-           nn.parallel.DistributedDataParallel(make_model(args, dtype), process_group=g) for c, g in groups.items()}
+           nn.parallel.DistributedDataParallel(make_model(args, dtype), process_group=g,
+                                               gradient_as_bucket_view=args.bucket_view)
+           for c, g in groups.items()}
     start_params = {c: _flat(m.parameters()) for c, m in ddp.items()}
     # The reference starts from the same values (rounded to `dtype`) and sees every rank's rows.
     ref = make_model(args, dtype).float()
@@ -213,6 +220,7 @@ def run(rank, world, args):
     params = args.layers * (args.width * args.width + args.width)
     report = {"world": world, "cpus": os.cpu_count(), "torch": torch.__version__, "parameters": params,
               "width": args.width, "layers": args.layers, "batch": args.batch, "steps": args.steps,
+              "gradient_as_bucket_view": args.bucket_view,
               "lr": {dt: lr for dt, (_, lr) in trained.items()},
               "tolerance": {dt: {"grad_error": GRAD_TOLERANCE[DTYPES[dt]], "update_error": UPDATE_TOLERANCE[DTYPES[dt]],
                                  "update_error_share_of_local": UPDATE_SHARE_OF_LOCAL}
@@ -227,7 +235,8 @@ def run(rank, world, args):
             rows.append([dt, c, f"{r['median_ms']:,.1f}", f"{r['p90_ms']:,.1f}", comm, *ratios,
                          f"{r['grad_error']:.1e}", f"{r['update_error']:.1e}", correct])
     print_table(f"DDP step time: {world} ranks, {os.cpu_count()} CPUs, {params / 1e6:.1f} M parameters, "
-                f"batch {args.batch}; median of the slowest rank per step; comm: step - local, paired by step; "
+                f"batch {args.batch}{', gradient_as_bucket_view' if args.bucket_view else ''}; "
+                "median of the slowest rank per step; comm: step - local, paired by step; "
                 "errors against one process on all ranks' rows (local: its own rows only)",
                 ["dtype", "backend", "median ms", "p90 ms", "comm ms", "x oneccl", "x gloo", "grad err",
                  "update err", "correct"], rows)
@@ -273,6 +282,8 @@ def parse_args(argv=None):
                    f"parameters by {LR_MOVE:.0%}% of their norm)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: " + ", ".join(DTYPES))
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
+    p.add_argument("--bucket-view", action="store_true",
+                   help="DDP with gradient_as_bucket_view=True: no copy from the buckets back to the gradients")
     p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn when not under a launcher")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write a PNG of the step times here")

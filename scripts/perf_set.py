@@ -31,9 +31,9 @@ checkout:
     1-64 MiB;
   - at 2 ranks, staged against single copy (--single-sizes): where reading peers directly wins
     on this CPU;
-  - python -m oneccl_bind_pt.bench_ddp at each of --ddp (2 ranks x 8 threads, 4 x 4, and 2 x 7
-    with one oneCCL worker per rank; the threads are OMP_NUM_THREADS; `2x6:helpers=2` is
-    another form).
+  - python -m oneccl_bind_pt.bench_ddp at each of --ddp (2 ranks x 8 threads, 4 x 4, 2 x 7
+    with one oneCCL worker per rank, and 2 x 8 with DDP's gradient_as_bucket_view; the threads
+    are OMP_NUM_THREADS; `2x6:helpers=2` is another form).
 
 Everything lands in one folder (--out, required), 8 files with the default runs:
 perf.log (every table, as printed), one JSON per bench run (3), single.json, helpers.json (the
@@ -42,7 +42,8 @@ sweep, by helper count), ddp.json (each bench_ddp run, by its --ddp entry), and 
 --step-timeout is recorded and the next one still runs; the exit status is 1 if any failed.
 
 `report DIR` (anywhere) prints, from a run's bench JSON, ccl against the best oneCCL column
-(oneccl or oneccl+w) at every point: the ratio issue-style targets are stated in.
+(oneccl or oneccl+w) at every point: the ratio issue-style targets are stated in; and from
+ddp.json each run's communication time (step - local) for ccl, oneccl and gloo, with ratios.
 
 --installed skips the install and runs the package this interpreter already has (a
 development .venv); with --quick (2 ranks, float32, 2 sizes, a small DDP model) that is
@@ -80,14 +81,15 @@ HELPER_SIZES = "1M,16M,64M"
 LIBS = {"libfabric.so.1": "impi-rt", "libtcp-fi.so": "impi-rt", "libshm-fi.so": "impi-rt",
         "librxm-fi.so": "impi-rt", "libhwloc.so.15": "tcmlib"}
 # bench_ddp runs may name knobs after a colon, e.g. 2x7:workers=1 (one oneCCL worker per rank
-# beside 7 torch threads) or 2x6:helpers=2.
+# beside 7 torch threads), 2x6:helpers=2, or 2x8:view=1 (DDP with gradient_as_bucket_view).
 DDP_KNOBS = {"workers": "ONECCL_BIND_PT_WORKERS", "helpers": "ONECCL_BIND_PT_HELPERS"}
+DDP_FLAGS = {"view": "--bucket-view"}
 # Sized for about 7.5 minutes on 16 cores (docs/performance.md: the runs it was sized from).
 # Every column and dtype at 2 ranks; from 4 ranks only ours and oneCCL's, float32 (all of
 # them at 4 and 8 ranks took over 140 s each).
 FULL = dict(ranks="2,4,8", dtypes="float32,bfloat16", sizes="4K,64K,1M,16M,64M", seconds=0.02, rounds=2,
             backends="", many_backends="ccl,pg,oneccl,oneccl+w", many_dtypes="float32",
-            helpers="0,1,3", single_sizes="256K,1M,4M,16M,64M", ddp="2x8,4x4,2x7:workers=1",
+            helpers="0,1,3", single_sizes="256K,1M,4M,16M,64M", ddp="2x8,4x4,2x7:workers=1,2x8:view=1",
             ddp_args=["--steps", "5"])
 QUICK = dict(ranks="2", dtypes="float32", sizes="4K,1M", seconds=0.02, rounds=2, backends="", many_backends="",
              many_dtypes="", helpers="0,1", single_sizes="1M", ddp="2x1",
@@ -314,10 +316,16 @@ def run(args) -> int:
                 shape, _, extra = config.partition(":")
                 n, threads = shape.split("x")
                 knobs = dict(kv.split("=") for kv in filter(None, extra.split(";")))
-                env_extra = {"OMP_NUM_THREADS": threads, **{DDP_KNOBS[k]: v for k, v in knobs.items()}}
+                unknown = knobs.keys() - DDP_KNOBS.keys() - DDP_FLAGS.keys()
+                if unknown:
+                    sys.exit(f"--ddp {config}: {', '.join(sorted(unknown))} is not one of "
+                             f"{', '.join(sorted({**DDP_KNOBS, **DDP_FLAGS}))}")
+                env_extra = {"OMP_NUM_THREADS": threads,
+                             **{DDP_KNOBS[k]: v for k, v in knobs.items() if k in DDP_KNOBS}}
+                flags = [DDP_FLAGS[k] for k, v in knobs.items() if k in DDP_FLAGS and v == "1"]
                 label = "".join(f"-{k}{v}" for k, v in knobs.items())
                 steps.append((f"bench_ddp {n} ranks x {threads} threads{' ' + extra if extra else ''}",
-                              [python, "-m", "oneccl_bind_pt.bench_ddp", "--nprocs", n, *args.ddp_args,
+                              [python, "-m", "oneccl_bind_pt.bench_ddp", "--nprocs", n, *args.ddp_args, *flags,
                                *(["--dtypes", args.ddp_dtypes] if args.ddp_dtypes else []),
                                "--json", work / f"ddp-{n}x{threads}{label}.json"], env_extra))
             for name, cmd, extra in steps:
@@ -371,6 +379,18 @@ def report(args) -> int:
             cells = "".join(f"{by[c]:>11,.1f}" if c in by else f"{'-':>11}" for c in ("ccl", "oneccl", "oneccl+w"))
             print(f"  {op:<15}{dtype:<10}{size:>10}{cells}{ratio:>9.2f}{' *' if ratio > 1 else ''}")
     print(f"worst ccl/best: {worst:.2f} (* above 1)")
+    ddp_file = args.dir / "ddp.json"
+    if ddp_file.exists():
+        # The DDP targets are on comm ms (step - local): ccl against oneccl and against gloo.
+        print("DDP (ddp.json): comm ms = step - local, median")
+        print(f"  {'run':<16}{'dtype':<10}{'ccl':>9}{'oneccl':>9}{'gloo':>9}{'ccl/oneccl':>12}{'ccl/gloo':>10}")
+        for entry, run in json.loads(ddp_file.read_text()).items():
+            for dtype, by in run["results"].items():
+                comm = {c: by[c]["comm_ms"] for c in ("ccl", "oneccl", "gloo") if "comm_ms" in by.get(c, {})}
+                cells = "".join(f"{comm[c]:>9,.1f}" if c in comm else f"{'-':>9}" for c in ("ccl", "oneccl", "gloo"))
+                ratios = "".join(f"{comm['ccl'] / comm[o]:>{w}.2f}" if "ccl" in comm and comm.get(o, 0) > 0
+                                 else f"{'-':>{w}}" for o, w in (("oneccl", 12), ("gloo", 10)))
+                print(f"  {entry:<16}{dtype:<10}{cells}{ratios}")
     return 0
 
 
@@ -415,7 +435,7 @@ def main() -> int:
     r.add_argument("--ddp-dtypes", help="bench_ddp's dtypes (default: bench_ddp's, float32 and bfloat16)")
     r.add_argument("--single-sizes", help=f"sizes of the staged-against-single-copy run at 2 ranks, '' for none "
                    f"(default: {FULL['single_sizes']})")
-    r.add_argument("--ddp", help=f"bench_ddp's RANKSxTHREADS[:workers=N;helpers=N] runs (default: {FULL['ddp']}; --quick {QUICK['ddp']})")
+    r.add_argument("--ddp", help=f"bench_ddp's RANKSxTHREADS[:workers=N;helpers=N;view=1] runs (default: {FULL['ddp']}; --quick {QUICK['ddp']})")
     r.add_argument("--step-timeout", type=float, default=150, help="seconds before one run is killed with its "
                    "ranks (default: %(default)s)")
     r.add_argument("--budget", type=float, default=570, help="seconds from the start after which no run starts and "

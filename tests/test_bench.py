@@ -154,6 +154,23 @@ def test_ddp_bench_trains_every_config_like_one_process_on_all_rows(tmp_path):
     assert "x gloo" in text and "comm ms" in text
 
 
+def test_ddp_bench_with_bucket_views_trains_like_one_process(tmp_path):
+    # gradient_as_bucket_view=True: the gradients DDP leaves are views of its buckets.
+    out = tmp_path / "ddp.json"
+    proc = popen(
+        [sys.executable, "-m", "oneccl_bind_pt.bench_ddp", "--nprocs", "2", "--width", "256", "--layers", "3",
+         "--batch", "4", "--steps", "3", "--warmup", "1", "--dtypes", "float32", "--configs", "ccl,local",
+         "--bucket-view", "--json", out],
+        cwd=ROOT / "tests", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    (text,) = communicate([proc], 300)
+    assert proc.returncode == 0, text
+    report = json.loads(out.read_text())
+    assert report["gradient_as_bucket_view"] is True and "gradient_as_bucket_view" in text
+    r = report["results"]["float32"]["ccl"]
+    assert r["correct"] and r["grad_error"] <= report["tolerance"]["float32"]["grad_error"], r
+
+
 # Every command with options answers --help (a '%' in a help text once made bench_ddp's raise).
 HELP = [["-m", f"oneccl_bind_pt.{m}"] for m in ("bench", "bench_ddp", "doctor")] + [
     [str(p)] for p in sorted((ROOT / "scripts").glob("*.py")) if "argparse" in p.read_text()]

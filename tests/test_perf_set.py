@@ -75,6 +75,8 @@ def test_the_full_set_narrows_the_runs_from_4_ranks(tmp_path):
         assert option(f"bench {n} ranks", "--dtypes") == "float32"
         assert option(f"bench {n} ranks", "--backends") == "ccl,pg,oneccl,oneccl+w"
     assert "bench_ddp 2 ranks x 7 threads workers=1" in cmds
+    assert "--bucket-view" in cmds["bench_ddp 2 ranks x 8 threads view=1"]
+    assert "--bucket-view" not in cmds["bench_ddp 2 ranks x 8 threads"]
 
 
 def test_report_compares_ccl_with_the_faster_oneccl_column(tmp_path):
@@ -91,3 +93,11 @@ def test_report_compares_ccl_with_the_faster_oneccl_column(tmp_path):
     rows = {line.split()[0]: line.split()[-1] for line in r.stdout.splitlines() if line.startswith("  all")}
     assert rows == {"allreduce": "0.50", "allgather": "*"}, r.stdout
     assert "1.50 *" in r.stdout and "worst ccl/best: 1.50" in r.stdout, r.stdout
+    # And DDP's communication time, ccl against oneccl and gloo, per run and dtype.
+    ddp = {"2x8-view1": {"results": {"float32": {"ccl": {"comm_ms": 30.0}, "oneccl": {"comm_ms": 60.0},
+                                                 "gloo": {"comm_ms": 120.0}, "local": {}}}}}
+    (tmp_path / "ddp.json").write_text(json.dumps(ddp))
+    r = subprocess.run([sys.executable, SCRIPT, "report", tmp_path], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = next(line.split() for line in r.stdout.splitlines() if line.startswith("  2x8-view1"))
+    assert row == ["2x8-view1", "float32", "30.0", "60.0", "120.0", "0.50", "0.25"], r.stdout

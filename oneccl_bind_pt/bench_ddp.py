@@ -180,7 +180,9 @@ def train(args, rank, world, dtype, groups, control):
         # rank-own-gradient reduction would at least show.
         dist.all_reduce(errors, op=dist.ReduceOp.MIN if groups[c] is None else dist.ReduceOp.MAX, group=control)
         summary[c] = {"grad_error": errors[0].item(), "update_error": errors[1].item(),
-                      "moved": (_flat(params) != start_params[c]).double().mean().item()}
+                      "moved": (_flat(params) != start_params[c]).double().mean().item(),
+                      # One per parameter, or fewer where the gradients are views of DDP's buckets.
+                      "grad_storages": len({p.grad.untyped_storage().data_ptr() for p in params})}
     for c, ts in times.items():
         slowest = torch.tensor(ts, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=control)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where DDP's communication time goes: one model trained four ways on the default ccl group.
+"""Where DDP's communication time goes: one model trained five ways on the default ccl group.
 
     torchrun --nproc_per_node 2 scripts/ddp_costs.py [--steps 7] [--threads 1]
 

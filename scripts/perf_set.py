@@ -269,11 +269,38 @@ def host_facts(python: str, cwd: Path) -> dict:
             "kernel": platform.release(), **json.loads(versions)}
 
 
+def ddp_runs(spec: str) -> list[tuple[str, str, str, dict, str]]:
+    """--ddp's runs as (ranks, threads, knobs as given, knobs, file label); exits naming what
+    is wrong before anything is installed or run."""
+    runs, labels = [], set()
+    for config in spec.split(","):
+        shape, _, extra = config.partition(":")
+        n, _, threads = shape.partition("x")
+        if not (n.isdigit() and threads.isdigit()):
+            sys.exit(f"--ddp {config}: {shape!r} is not RANKSxTHREADS (e.g. 2x8)")
+        knobs = {}
+        for kv in filter(None, extra.split(";")):
+            key, eq, value = kv.partition("=")
+            if not eq or key not in {**DDP_KNOBS, **DDP_FLAGS}:
+                sys.exit(f"--ddp {config}: {kv!r} is not NAME=VALUE with NAME one of "
+                         f"{', '.join(sorted({**DDP_KNOBS, **DDP_FLAGS}))}")
+            if key in DDP_FLAGS and value not in ("0", "1"):
+                sys.exit(f"--ddp {config}: {key} is 0 or 1, not {value!r}")
+            knobs[key] = value
+        label = "".join(f"-{k}{v}" for k, v in knobs.items())
+        if (n, threads, label) in labels:
+            sys.exit(f"--ddp {config}: named twice (its results would overwrite each other)")
+        labels.add((n, threads, label))
+        runs.append((n, threads, extra, knobs, label))
+    return runs
+
+
 def run(args) -> int:
     preset = QUICK if args.quick else FULL
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    ddp_runs(args.ddp)  # a mistyped run stops here, before the install
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -312,18 +339,10 @@ def run(args) -> int:
                                        "--dtypes", "float32", "--sizes", HELPER_SIZES, "--backends", "pg",
                                        "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
                                        "--json", work / f"helpers-{h}.json"], {"ONECCL_BIND_PT_HELPERS": h}))
-            for config in args.ddp.split(","):
-                shape, _, extra = config.partition(":")
-                n, threads = shape.split("x")
-                knobs = dict(kv.split("=") for kv in filter(None, extra.split(";")))
-                unknown = knobs.keys() - DDP_KNOBS.keys() - DDP_FLAGS.keys()
-                if unknown:
-                    sys.exit(f"--ddp {config}: {', '.join(sorted(unknown))} is not one of "
-                             f"{', '.join(sorted({**DDP_KNOBS, **DDP_FLAGS}))}")
+            for n, threads, extra, knobs, label in ddp_runs(args.ddp):
                 env_extra = {"OMP_NUM_THREADS": threads,
                              **{DDP_KNOBS[k]: v for k, v in knobs.items() if k in DDP_KNOBS}}
                 flags = [DDP_FLAGS[k] for k, v in knobs.items() if k in DDP_FLAGS and v == "1"]
-                label = "".join(f"-{k}{v}" for k, v in knobs.items())
                 steps.append((f"bench_ddp {n} ranks x {threads} threads{' ' + extra if extra else ''}",
                               [python, "-m", "oneccl_bind_pt.bench_ddp", "--nprocs", n, *args.ddp_args, *flags,
                                *(["--dtypes", args.ddp_dtypes] if args.ddp_dtypes else []),

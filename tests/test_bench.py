@@ -132,6 +132,7 @@ def test_ddp_bench_trains_every_config_like_one_process_on_all_rows(tmp_path):
         tol = report["tolerance"][dtype]
         for config, r in by.items():
             assert len(r["steps"]) == 3 and 0 < r["median_ms"] <= r["p90_ms"], r
+            assert r["grad_storages"] == 6, r  # without --bucket-view, DDP copies into each parameter's own
             # The parameters moved (bfloat16's too): an update that rounds away hides any reduction.
             assert r["moved"] > 0.5, (dtype, config, r)
             if config == "local":
@@ -169,6 +170,8 @@ def test_ddp_bench_with_bucket_views_trains_like_one_process(tmp_path):
     assert report["gradient_as_bucket_view"] is True and "gradient_as_bucket_view" in text
     r = report["results"]["float32"]["ccl"]
     assert r["correct"] and r["grad_error"] <= report["tolerance"]["float32"]["grad_error"], r
+    # The 6 gradients (790 KB) are views of DDP's first bucket (1 MiB); local's are their own.
+    assert r["grad_storages"] == 1 and report["results"]["float32"]["local"]["grad_storages"] == 6, report
 
 
 # Every command with options answers --help (a '%' in a help text once made bench_ddp's raise).

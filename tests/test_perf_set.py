@@ -79,6 +79,17 @@ def test_the_full_set_narrows_the_runs_from_4_ranks(tmp_path):
     assert "--bucket-view" not in cmds["bench_ddp 2 ranks x 8 threads"]
 
 
+@pytest.mark.parametrize("ddp, says", [("2x8:view=true", "view is 0 or 1"), ("2x8:view", "is not NAME=VALUE"),
+                                        ("2x8:colour=1", "is not NAME=VALUE"), ("2by8", "is not RANKSxTHREADS"),
+                                        ("2x8:view=1,2x8:view=1", "named twice")])
+def test_a_mistyped_ddp_run_stops_before_anything_runs(tmp_path, ddp, says):
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, SCRIPT, "run", "--installed", "--quick", "--ddp", ddp, "--out", out],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
+
+
 def test_report_compares_ccl_with_the_faster_oneccl_column(tmp_path):
     def point(op, size, backend, us):
         return {"op": op, "dtype": "float32", "bytes": size, "backend": backend, "median_us": us}

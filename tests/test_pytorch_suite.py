@@ -15,6 +15,7 @@ By default the ci-ws2 and ci-ws3 plans run (selection.py), and oneccl-ws2 on the
 oneCCL path; the whole suite at world sizes 2 and 3, and the smoke plan, with --runslow.
 """
 
+import dataclasses
 import functools
 import re
 import types
@@ -144,3 +145,19 @@ def test_a_plan_fails_when_too_few_cases_pass():
     problems = judge(plan, skipped, _run("gloo", **{name: SKIPPED for name in plan.cases}))
     assert len(problems) == 1 and "passed on ccl" in problems[0], problems
     assert judge(plan, _run("ccl", **{name: PASSED for name in plan.cases}), None) == []
+
+
+def test_a_plan_is_judged_by_its_transports_known_issues():
+    # The receive from any source is listed for the oneCCL path only: failing there is
+    # expected; on shared memory, where gloo passes it, it is a regression.
+    passing = {name: PASSED for name in PLANS["oneccl-ws2"].cases if name != "test_send_recv_any_source"}
+    ccl = _run("ccl", test_send_recv_any_source=FAILED, **passing)
+    gloo = _run("gloo", test_send_recv_any_source=PASSED)
+    assert judge(PLANS["oneccl-ws2"], ccl, gloo) == []
+    shm_twin = dataclasses.replace(PLANS["oneccl-ws2"], name="shm-twin", transport="shm")
+    problems = judge(shm_twin, ccl, gloo)
+    assert len(problems) == 1 and problems[0].startswith("test_send_recv_any_source: gloo passed, ccl failed"), problems
+    # Passing it on the oneCCL path would mean the plan ran on shared memory: flagged as fixed.
+    fixed = judge(PLANS["oneccl-ws2"], _run("ccl", test_send_recv_any_source=PASSED, **passing), None)
+    assert len(fixed) == 1 and "now does as well as gloo" in fixed[0], fixed
+    assert TRANSPORT_ENV["oneccl"] == {"ONECCL_BIND_PT_SHM": "0"} and TRANSPORT_ENV["shm"] == {"ONECCL_BIND_PT_SHM": "1"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from pytorch_suite.known_issues import KNOWN, Known
+from pytorch_suite.known_issues import Known, known_for
 from pytorch_suite.runner import FAILED, PASSED, SKIPPED, CaseResult, SuiteRun
 
 NOT_RUN = "not run"
@@ -44,11 +44,14 @@ class Comparison:
         return [d for d in self.differences if d.known is None]
 
 
-def compare(gloo: SuiteRun, ccl: SuiteRun, known: dict[str, Known] = KNOWN) -> Comparison:
+def compare(gloo: SuiteRun, ccl: SuiteRun, known: dict[str, Known] | None = None) -> Comparison:
     """gloo may hold only the cases ccl did not pass: a case ccl passed needs no baseline.
-    known: the entries that may apply (a run on the oneCCL path passes known_for(...))."""
+    known: the entries that apply (default: those of the shared-memory transport, where a run
+    of the suite goes unless ONECCL_BIND_PT_SHM=0; a plan on the oneCCL path passes its own)."""
     assert gloo.world_size == ccl.world_size, (gloo.world_size, ccl.world_size)
     world = gloo.world_size
+    if known is None:
+        known = known_for(world, "shm")
     result = Comparison(world, [], [], [], [])
     for name in sorted(gloo.cases.keys() | ccl.cases.keys()):
         g, c = gloo.cases.get(name), ccl.cases.get(name)

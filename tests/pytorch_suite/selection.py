@@ -11,8 +11,9 @@ size there, by load: too much for every CI run, hence:
   that spawn nothing (ci-ws2 404 s, ci-ws3 131 s), measured there while a
   whole-suite gloo run shared the cores for 6 of those minutes; about a
   minute per 6 cases;
-- oneccl-ws2, run by default: ci-ws2's kinds of case once each on the oneCCL path
-  (ONECCL_BIND_PT_SHM=0), the one every group across hosts takes; 34 s forked;
+- oneccl-ws2, run by default: 22 of ci-ws2's cases (each collective and p2p form once,
+  the barrier and its timeout, DDP, futures) on the oneCCL path (ONECCL_BIND_PT_SHM=0), the
+  one every group across hosts takes; 34 s forked;
 - full-ws2 and full-ws3, the whole suite, with --runslow (and by hand);
 - smoke, a minute or so: the plan a second torch release's environment runs.
 """
@@ -45,7 +46,8 @@ class Plan:
     transport: str = "shm"
 
 
-TRANSPORT_ENV = {"shm": {}, "oneccl": {"ONECCL_BIND_PT_SHM": "0"}}
+# Set either way, so that a caller's ONECCL_BIND_PT_SHM cannot move a plan to the other one.
+TRANSPORT_ENV = {"shm": {"ONECCL_BIND_PT_SHM": "1"}, "oneccl": {"ONECCL_BIND_PT_SHM": "0"}}
 
 
 # World size 2. Each collective once per thing that changes the code path

@@ -147,10 +147,14 @@ def check_dead_peer(rank, world):
     _allreduce_must_raise(group, 1 << 16, f"rank {rank} raised", "an allreduce completed without its dead peer")
 
 
-def check_matrix(rank, world):
-    # Cases that ran on a transport of one host would prove nothing about the one across hosts.
+def _assert_world_on_oneccl():
+    # What ran on a transport of one host would prove nothing about the one across hosts.
     path = dist.group.WORLD._get_backend(torch.device("cpu"))._path("allreduce", 64)
     assert path == "oneccl", f"the world group's allreduce takes {path}, not oneccl"
+
+
+def check_matrix(rank, world):
+    _assert_world_on_oneccl()
     results = run_all(rank, world)
     print(f"rank {rank} matrix {json.dumps(results)}", flush=True)
     failed = sorted(case for case, error in results.items() if error)
@@ -158,6 +162,7 @@ def check_matrix(rank, world):
 
 
 def check_gloo(rank, world):
+    _assert_world_on_oneccl()
     report = compare_with_gloo(rank, world)
     print(f"rank {rank} gloo {json.dumps(report)}", flush=True)
     differ = sorted(name for name, problems in report.items() if problems)

@@ -147,26 +147,24 @@ def check_dead_peer(rank, world):
     _allreduce_must_raise(group, 1 << 16, f"rank {rank} raised", "an allreduce completed without its dead peer")
 
 
-def _assert_world_on_oneccl():
-    # What ran on a transport of one host would prove nothing about the one across hosts.
+def _run_and_report(rank, what, fn, world):
+    """fn's {item: None or what went wrong} on the world group, which must be oneCCL's (what
+    ran on a transport of one host would prove nothing about the one across hosts), printed
+    as "rank R <what> <JSON>" for the test's items; raises if any item went wrong."""
     path = dist.group.WORLD._get_backend(torch.device("cpu"))._path("allreduce", 64)
     assert path == "oneccl", f"the world group's allreduce takes {path}, not oneccl"
+    report = fn(rank, world)
+    print(f"rank {rank} {what} {json.dumps(report)}", flush=True)
+    wrong = sorted(item for item, problem in report.items() if problem)
+    assert not wrong, f"{len(wrong)} of {len(report)} {what} items went wrong: {', '.join(wrong[:5])}"
 
 
 def check_matrix(rank, world):
-    _assert_world_on_oneccl()
-    results = run_all(rank, world)
-    print(f"rank {rank} matrix {json.dumps(results)}", flush=True)
-    failed = sorted(case for case, error in results.items() if error)
-    assert not failed, f"{len(failed)} of {len(results)} cases failed: {', '.join(failed[:5])}"
+    _run_and_report(rank, "matrix", run_all, world)
 
 
 def check_gloo(rank, world):
-    _assert_world_on_oneccl()
-    report = compare_with_gloo(rank, world)
-    print(f"rank {rank} gloo {json.dumps(report)}", flush=True)
-    differ = sorted(name for name, problems in report.items() if problems)
-    assert not differ, f"ccl and gloo differ in {', '.join(differ)}"
+    _run_and_report(rank, "gloo", compare_with_gloo, world)
 
 
 CHECKS = {"ddp": check_ddp, "p2p": check_p2p, "async": check_async, "timeout": check_timeout, "world": check_world,

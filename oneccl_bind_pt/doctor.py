@@ -73,6 +73,7 @@ def _selftest_rank(rank, world, store_path, results):
     pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     paths = {op: [pg._path(op, n) for n in PATH_SIZES] for op in PATH_OPS}
     paths["single copy"] = pg._single_copy()
+    paths["staging chunk"] = pg._staging_chunk()
     results.put((rank, ok, dict(_env.applied), paths))
     dist.destroy_process_group()
 
@@ -122,6 +123,7 @@ def _print_paths(paths: dict) -> None:
     """Which transport each op takes at each size, for a group on this host."""
     paths = dict(paths)
     single = paths.pop("single copy", None)
+    chunk = paths.pop("staging chunk", None)
     print("transport        per op and bytes per rank, ranks on this host (shm: staged through shared")
     print("                 memory; cma: read from the peers' tensors, single copy; oneccl: oneCCL;")
     print("                 ONECCL_BIND_PT_SHM=0 turns shm off, ONECCL_BIND_PT_SHM_MAX_BYTES and")
@@ -131,6 +133,8 @@ def _print_paths(paths: dict) -> None:
         print(f"                 {op:<16}" + "".join(f"{w:>9}" for w in where))
     if single is not None:
         print(f"single copy      {single}")
+    if chunk is not None:
+        print(f"staging chunk    {chunk}")
 
 
 def _workers() -> str:

@@ -27,8 +27,9 @@ checkout:
     float32 and bfloat16 with every default column (ccl, pg, oneccl, oneccl+w, gloo, raw, copy),
     from 4 ranks float32 with ccl, pg, oneccl and oneccl+w (--many-backends, --many-dtypes);
   - at 2 ranks, the helper sweep: bench of our transport alone (pg) with ONECCL_BIND_PT_HELPERS
-    at each of --helpers (0, 1, 3), allreduce, allgather, reduce_scatter, broadcast, sendrecv,
-    1-64 MiB;
+    at each of --helpers (0, 1, 3, and 3 with the 2 MiB staging chunk of before the chunk was
+    sized to the L2 cache: `3:chunk=2M`), allreduce, allgather, reduce_scatter, broadcast,
+    sendrecv, 1-64 MiB;
   - at 2 ranks, staged against single copy (--single-sizes): where reading peers directly wins
     on this CPU;
   - python -m oneccl_bind_pt.bench_ddp at each of --ddp (2 ranks x 8 threads, 4 x 4, 2 x 7
@@ -37,7 +38,7 @@ checkout:
 
 Everything lands in one folder (--out, required), 8 files with the default runs:
 perf.log (every table, as printed), one JSON per bench run (3), single.json, helpers.json (the
-sweep, by helper count), ddp.json (each bench_ddp run, by its --ddp entry), and summary.json
+sweep, by --helpers entry: `3`, `3c2M`), ddp.json (each bench_ddp run, by its --ddp entry), and summary.json
 (host, versions, each run's command, exit status and seconds). A run that fails or passes its
 --step-timeout is recorded and the next one still runs; the exit status is 1 if any failed.
 
@@ -84,12 +85,14 @@ LIBS = {"libfabric.so.1": "impi-rt", "libtcp-fi.so": "impi-rt", "libshm-fi.so": 
 # beside 7 torch threads), 2x6:helpers=2, or 2x8:view=1 (DDP with gradient_as_bucket_view).
 DDP_KNOBS = {"workers": "ONECCL_BIND_PT_WORKERS", "helpers": "ONECCL_BIND_PT_HELPERS"}
 DDP_FLAGS = {"view": "--bucket-view"}
-# Sized for about 7.5 minutes on 16 cores (docs/performance.md: the runs it was sized from).
+# Helper sweep entries: a count, optionally with the staging chunk, e.g. 3:chunk=2M.
+HELPER_KNOBS = {"chunk": "ONECCL_BIND_PT_SHM_CHUNK_BYTES"}
+# Sized for about 8.5 minutes on 16 cores (docs/performance.md: the runs it was sized from).
 # Every column and dtype at 2 ranks; from 4 ranks only ours and oneCCL's, float32 (all of
 # them at 4 and 8 ranks took over 140 s each).
 FULL = dict(ranks="2,4,8", dtypes="float32,bfloat16", sizes="4K,64K,1M,16M,64M", seconds=0.02, rounds=2,
             backends="", many_backends="ccl,pg,oneccl,oneccl+w", many_dtypes="float32",
-            helpers="0,1,3", single_sizes="256K,1M,4M,16M,64M", ddp="2x8,4x4,2x7:workers=1,2x8:view=1",
+            helpers="0,1,3,3:chunk=2M", single_sizes="256K,1M,4M,16M,64M", ddp="2x8,4x4,2x7:workers=1,2x8:view=1",
             ddp_args=["--steps", "5"])
 QUICK = dict(ranks="2", dtypes="float32", sizes="4K,1M", seconds=0.02, rounds=2, backends="", many_backends="",
              many_dtypes="", helpers="0,1", single_sizes="1M", ddp="2x1",
@@ -269,6 +272,28 @@ def host_facts(python: str, cwd: Path) -> dict:
             "kernel": platform.release(), **json.loads(versions)}
 
 
+def helper_runs(spec: str) -> list[tuple[str, str, dict]]:
+    """--helpers' entries as (entry, file label, environment); exits naming what is wrong
+    before anything is installed or run."""
+    runs, labels = [], set()
+    for entry in filter(None, spec.split(",")):
+        count, _, extra = entry.partition(":")
+        if not count.isdigit():
+            sys.exit(f"--helpers {entry}: {count!r} is not a helper count")
+        env, label = {"ONECCL_BIND_PT_HELPERS": count}, count
+        for kv in filter(None, extra.split(";")):
+            key, eq, value = kv.partition("=")
+            if not eq or key not in HELPER_KNOBS or not value.isalnum():
+                sys.exit(f"--helpers {entry}: {kv!r} is not NAME=VALUE with NAME one of {', '.join(HELPER_KNOBS)}")
+            env[HELPER_KNOBS[key]] = value
+            label += f"c{value}"
+        if label in labels:
+            sys.exit(f"--helpers {entry}: named twice (its results would overwrite each other)")
+        labels.add(label)
+        runs.append((entry, label, env))
+    return runs
+
+
 def ddp_runs(spec: str) -> list[tuple[str, str, str, dict, str]]:
     """--ddp's runs as (ranks, threads, knobs as given, knobs, file label); exits naming what
     is wrong before anything is installed or run."""
@@ -301,6 +326,7 @@ def run(args) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     ddp_runs(args.ddp)  # a mistyped run stops here, before the install
+    helper_runs(args.helpers)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -333,12 +359,13 @@ def run(args) -> int:
                                    "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
                                    "--json", out / "single.json"], {}))
                 if n == "2":
-                    for h in filter(None, args.helpers.split(",")):
-                        steps.append((f"bench 2 ranks, {h} helpers",
+                    for entry, label, helper_env in helper_runs(args.helpers):
+                        count, _, extra = entry.partition(":")
+                        steps.append((f"bench 2 ranks, {count} helpers{' ' + extra if extra else ''}",
                                       [python, "-m", "oneccl_bind_pt.bench", "--nprocs", "2", "--ops", HELPER_OPS,
                                        "--dtypes", "float32", "--sizes", HELPER_SIZES, "--backends", "pg",
                                        "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
-                                       "--json", work / f"helpers-{h}.json"], {"ONECCL_BIND_PT_HELPERS": h}))
+                                       "--json", work / f"helpers-{label}.json"], helper_env))
             for n, threads, extra, knobs, label in ddp_runs(args.ddp):
                 env_extra = {"OMP_NUM_THREADS": threads,
                              **{DDP_KNOBS[k]: v for k, v in knobs.items() if k in DDP_KNOBS}}
@@ -351,11 +378,10 @@ def run(args) -> int:
                 left = args.budget - (time.monotonic() - start)
                 if left < 10:
                     say(f"{name}: not started, --budget {args.budget:.0f} s spent")
-                    summary["steps"].append({"name": name, "cmd": [str(c) for c in cmd], "rc": None,
-                                             "skipped": "budget"})
+                    step = {"name": name, "cmd": [str(c) for c in cmd], "rc": None, "skipped": "budget"}
                 else:
-                    summary["steps"].append(run_step(name, cmd, {**env, **extra}, work, min(args.step_timeout, left),
-                                                     log))
+                    step = run_step(name, cmd, {**env, **extra}, work, min(args.step_timeout, left), log)
+                summary["steps"].append({**step, "env": extra})  # what this run set beside the host's
                 summary["seconds"] = round(time.monotonic() - start, 1)
                 (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")  # kept if a later step hangs
         # One file for the sweep (a host may send back only a few files).
@@ -444,8 +470,9 @@ def main() -> int:
     r.add_argument("--sizes", help=f"bench's message sizes (default: {FULL['sizes']}; --quick {QUICK['sizes']})")
     r.add_argument("--seconds", type=float, help=f"bench's time per column per point (default: {FULL['seconds']})")
     r.add_argument("--rounds", type=int, help=f"bench's interleaved rounds (default: {FULL['rounds']})")
-    r.add_argument("--helpers", help=f"ONECCL_BIND_PT_HELPERS values the helper sweep runs at 2 ranks, '' for "
-                   f"none (default: {FULL['helpers']}; --quick {QUICK['helpers']})")
+    r.add_argument("--helpers", help=f"the helper sweep's runs at 2 ranks: ONECCL_BIND_PT_HELPERS values, each "
+                   f"optionally with :chunk=SIZE (ONECCL_BIND_PT_SHM_CHUNK_BYTES), '' for none (default: "
+                   f"{FULL['helpers']}; --quick {QUICK['helpers']})")
     r.add_argument("--backends", help="bench's columns at 2 ranks (default: all of bench's)")
     r.add_argument("--many-backends", help=f"bench's columns from 4 ranks on (default: {FULL['many_backends']}; "
                    "'' for --backends')")

@@ -81,7 +81,12 @@ PYBIND11_MODULE(_C, m) {
           "_single_copy",
           &oneccl_bind_pt::ProcessGroupCCL::single_copy_status,
           "'on' when this group's ranks may read each other's tensors (single copy), else "
-          "'off: <why>'.");
+          "'off: <why>'.")
+      .def(
+          "_staging_chunk",
+          &oneccl_bind_pt::ProcessGroupCCL::staging_chunk,
+          "How much a staged step of a large collective moves per rank on this group, and why "
+          "(the smallest of its ranks' choices).");
 
   m.def(
       "_shutdown",

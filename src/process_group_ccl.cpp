@@ -26,9 +26,11 @@ ProcessGroupCCL::ProcessGroupCCL(
     std::chrono::milliseconds timeout)
     : c10d::Backend(rank, size),
       store_(store),
-      // The kernel and helper choices first: an unknown ONECCL_BIND_PT_KERNELS/_COPY/_HELPERS
-      // raises here, on every rank, before the rendezvous, not later inside a collective.
-      comm_((kernels(), helper_plan(), std::make_shared<Communicator>(store, rank, size, timeout))),
+      // The kernel, helper and staging choices first: an unknown ONECCL_BIND_PT_KERNELS/_COPY/
+      // _HELPERS or a bad ONECCL_BIND_PT_SHM_CHUNK_BYTES raises here, before the rendezvous,
+      // not later inside a collective or while peers wait in the segment exchange.
+      comm_((kernels(), helper_plan(), ShmLimits::from_env(),
+             std::make_shared<Communicator>(store, rank, size, timeout))),
       timeout_(timeout) {}
 
 ProcessGroupCCL::~ProcessGroupCCL() = default;
@@ -140,6 +142,10 @@ std::string ProcessGroupCCL::path(const std::string& kind, size_t nbytes) const 
 
 std::string ProcessGroupCCL::single_copy_status() const {
   return comm_->shm() ? comm_->shm()->single_copy_status() : "off: no shared memory on this group";
+}
+
+std::string ProcessGroupCCL::staging_chunk() const {
+  return comm_->shm() ? comm_->shm()->chunk_status() : "none: no shared memory on this group";
 }
 
 // The one path every op takes: a Work, its Prims started on the group's

@@ -161,6 +161,8 @@ class ProcessGroupCCL : public c10d::Backend {
   // `nbytes` per rank takes on this group (for the doctor and the tests).
   std::string path(const std::string& kind, size_t nbytes) const;
   std::string single_copy_status() const;
+  // The chunk a staged step moves per rank on this group, and why ("256 KiB: ...").
+  std::string staging_chunk() const;
 
  private:
   struct Call;

@@ -10,18 +10,20 @@
 #include <cstdlib>
 #include <string>
 
+#include <unistd.h>
+
 namespace oneccl_bind_pt {
 
 namespace {
 
-size_t env_bytes(const char* name, size_t fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) {
-    return fallback;
-  }
+// A size like 262144, 256K or 4M; -1 where `v` is not one.
+double parse_bytes(const char* v) {
   char* end = nullptr;
   const double x = std::strtod(v, &end);
-  std::string unit = end ? std::string(end) : "";
+  if (end == v || !(x >= 0)) {
+    return -1;
+  }
+  const std::string unit(end);
   double scale = 1;
   if (unit == "K" || unit == "KiB" || unit == "k") {
     scale = 1024;
@@ -30,10 +32,22 @@ size_t env_bytes(const char* name, size_t fallback) {
   } else if (unit == "G" || unit == "GiB") {
     scale = 1024.0 * 1024 * 1024;
   } else if (!unit.empty()) {
+    return -1;
+  }
+  return x * scale;
+}
+
+size_t env_bytes(const char* name, size_t fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) {
+    return fallback;
+  }
+  const double x = parse_bytes(v);
+  if (x < 0) {
     TORCH_WARN("ccl: ", name, "=", v, " is not a size (e.g. 262144, 256K, 4M); using the default");
     return fallback;
   }
-  return static_cast<size_t>(x * scale);
+  return x >= static_cast<double>(SIZE_MAX) ? SIZE_MAX : static_cast<size_t>(x);
 }
 
 // Single copy in these bands of bytes per rank (reduce_scatter: its input; allgather:
@@ -46,6 +60,11 @@ size_t env_bytes(const char* name, size_t fallback) {
 //    reduce_scatter (0.70-0.83x) and all-to-all (0.37-0.73x), from 1 MiB for allreduce
 //    (0.69x at 4 MiB, 0.94x at 64 MiB; 1.29x at 256 KiB), and up to 1 MiB for broadcast and
 //    send (0.74-0.85x; 1.2-1.5x slower from 4 MiB).
+//    Staged chunks sized to the L2 cache (default_chunk below) changed allreduce: on a 2-core
+//    Intel Xeon VM staging then took 0.98-1.03x single copy's time at 16 MiB and 0.65-0.70x
+//    at 64 MiB (at 4 MiB single copy still took 0.86-0.91x of staging's), and on the 16-core
+//    Xeon staging of 2 MiB chunks was already within 1.06x of single copy at 64 MiB; so
+//    allreduce reads directly only up to 8 MiB.
 //  - With helpers, on any CPU, and on other CPUs (a 2-core AMD EPYC VM): only allgather and
 //    reduce_scatter around 1 MiB. On the Xeon with 3 helpers an allreduce of 16 MiB took
 //    1.5 ms staged and 2.9 ms in single copy, even with its reads split across the helpers
@@ -58,7 +77,34 @@ constexpr size_t kKiB = 1024, kMiB = kKiB * 1024;
 constexpr PerKind kNarrowFrom{kNever,   kNever, kNever,     1 * kMiB,   kNever,     256 * kKiB,    kNever};
 constexpr PerKind kNarrowTo{  0,        0,      0,          4 * kMiB,   0,          4 * kMiB,      kNever};
 constexpr PerKind kWideFrom{  1 * kMiB, kNever, 256 * kKiB, 256 * kKiB, 256 * kKiB, 256 * kKiB,    256 * kKiB};
-constexpr PerKind kWideTo{    kNever,   0,      1 * kMiB,   kNever,     kNever,     kNever,        1 * kMiB};
+constexpr PerKind kWideTo{    8 * kMiB, 0,      1 * kMiB,   kNever,     kNever,     kNever,        1 * kMiB};
+
+// The staging chunk (ShmLimits::chunk_bytes). A staged step copies a chunk into the
+// buffer, reduces or reads it back, and copies it out, and a chunk that stays in the
+// L2 cache between those passes is faster: on a 2-core Intel Xeon VM (2 MiB L2), 2 ranks,
+// staged, chunks of 128-512 KiB against the 2 MiB buffer took 0.82-0.96x for allreduce,
+// 0.82-0.99x allgather, 0.71-0.91x reduce_scatter and 0.77-0.92x all-to-all at 1-16 MiB,
+// 0.79-0.80x allreduce at 64 MiB (docs/performance.md, "The staging chunk"). Broadcast,
+// which only copies, took 0.99-1.12x, so it keeps the whole buffer. With helper threads each
+// thread moves its share of a chunk, so the chunk grows with them (not measured with
+// helpers yet: their figures are from 2 MiB chunks).
+size_t default_chunk(std::string& why) {
+  const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  size_t per_thread = 256 * 1024;
+  if (l2 > 0) {
+    per_thread = 128 * 1024;
+    while (per_thread < 512 * 1024 && per_thread * 2 <= static_cast<size_t>(l2) / 8) {
+      per_thread *= 2;
+    }
+  }
+  const int threads = helper_plan().count + 1;
+  const size_t chunk = std::min(kStagingBufferBytes, per_thread * threads);
+  why = std::to_string(per_thread >> 10) + " KiB per thread (" +
+      (l2 > 0 ? "an eighth of the " + std::to_string(l2 >> 10) + " KiB L2 cache, within 128-512 KiB"
+              : std::string("the L2 cache's size unknown")) +
+      ") x " + std::to_string(threads) + " (the helper threads and the caller), at most 2 MiB";
+  return chunk;
+}
 
 bool intel_cpu() {
   __builtin_cpu_init();
@@ -104,6 +150,18 @@ ShmLimits ShmLimits::from_env() {
   const bool wide = intel_cpu() && helper_plan().count == 0;
   l.single_copy = wide ? kWideFrom : kNarrowFrom;
   l.single_copy_to = wide ? kWideTo : kNarrowTo;
+  const char* chunk = std::getenv("ONECCL_BIND_PT_SHM_CHUNK_BYTES");
+  if (chunk && *chunk) {
+    // Strict, unlike the crossovers: ranks given different chunks still agree (the smallest),
+    // but a value that was meant and not understood should not pass as a default.
+    const double b = parse_bytes(chunk);
+    TORCH_CHECK_VALUE(b >= kMinStagingChunk && b <= kStagingBufferBytes, "ONECCL_BIND_PT_SHM_CHUNK_BYTES=", chunk,
+                      " is not a size from 64K to 2M (e.g. 262144, 256K, 1M)");
+    l.chunk_bytes = static_cast<size_t>(b);
+    l.chunk_why = "ONECCL_BIND_PT_SHM_CHUNK_BYTES";
+  } else {
+    l.chunk_bytes = default_chunk(l.chunk_why);
+  }
   const char* from = std::getenv("ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES");
   if (from && *from) {
     // One threshold for every kind, with no upper end.

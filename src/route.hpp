@@ -21,10 +21,16 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace oneccl_bind_pt {
 
 enum class Route : uint8_t { Shm, Cma, OneCCL };
+
+// Each rank's staging buffer (it has two): the largest chunk a staged step moves.
+inline constexpr size_t kStagingBufferBytes = size_t{2} << 20;
+// The smallest chunk ONECCL_BIND_PT_SHM_CHUNK_BYTES may ask for.
+inline constexpr size_t kMinStagingChunk = size_t{64} << 10;
 
 inline const char* route_name(Route r) {
   return r == Route::Shm ? "shm" : r == Route::Cma ? "cma" : "oneccl";
@@ -40,10 +46,17 @@ struct ShmLimits {
   PerKind max_bytes;   // above: oneCCL
   // cma in [single_copy, single_copy_to], on a group whose ranks can read each other.
   PerKind single_copy, single_copy_to;
+  // Bytes a staged step moves per rank (broadcast: the whole buffer), this rank's
+  // choice: ONECCL_BIND_PT_SHM_CHUNK_BYTES, or per thread an eighth of the L2 cache
+  // (128-512 KiB) times the threads splitting the copies (helper_plan() + 1), at
+  // most the buffer. A group takes the smallest of its ranks' (Shm::connect).
+  size_t chunk_bytes = kStagingBufferBytes;
+  std::string chunk_why;
   // Where a collective of `kind` with `bytes` per rank runs on a group with shared memory.
   Route route(Prim::Kind kind, size_t bytes, bool group_has_cma) const;
-  // From ONECCL_BIND_PT_SHM_MAX_BYTES and ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES
-  // (one value for every kind each) or the measured defaults.
+  // From ONECCL_BIND_PT_SHM_MAX_BYTES, ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES (one
+  // value for every kind each) and ONECCL_BIND_PT_SHM_CHUNK_BYTES, or the measured
+  // defaults.
   static ShmLimits from_env();
 };
 

@@ -88,7 +88,19 @@ Shm::Shm(int rank, int size, Transport* fallback)
       pids_(size, 0),
       sends_(size),
       next_msg_(size, 0),
-      current_in_(size) {}
+      current_in_(size) {
+  chunk_bytes_ = limits_.chunk_bytes;
+  chunk_from_ = rank;
+}
+
+std::string Shm::chunk_status() const {
+  const std::string mine = std::to_string(limits_.chunk_bytes >> 10) + " KiB: " + limits_.chunk_why;
+  if (chunk_from_ == rank_ || chunk_bytes_ == limits_.chunk_bytes) {
+    return mine;
+  }
+  return std::to_string(chunk_bytes_ >> 10) + " KiB, rank " + std::to_string(chunk_from_) +
+      "'s (the smallest of the group's; this rank's: " + mine + ")";
+}
 
 Shm::~Shm() {
   for (char* base : bases_) {
@@ -128,6 +140,7 @@ std::unique_ptr<Shm> Shm::connect(
       h->pid = getpid();
       h->total = total;
       h->self = reinterpret_cast<uint64_t>(base);
+      h->chunk = shm->limits_.chunk_bytes;
       store_release(&h->magic, kMagic);
       mine = std::to_string(getpid()) + ":" + std::to_string(fd);
     }
@@ -160,8 +173,13 @@ std::unique_ptr<Shm> Shm::connect(
       } else {
         shm->bases_[q] = static_cast<char*>(base);
         auto* h = reinterpret_cast<Header*>(base);
-        if (load_acquire(&h->magic) != kMagic || h->rank != q || h->size != size) {
+        if (load_acquire(&h->magic) != kMagic || h->rank != q || h->size != size ||
+            h->chunk < kMinStagingChunk || h->chunk > kBufferBytes) {
           problem = "rank " + std::to_string(q) + "'s segment is not what it published";
+        } else if (h->chunk < shm->chunk_bytes_) {
+          // Every rank must cut a Prim into the same chunks: the smallest choice wins.
+          shm->chunk_bytes_ = h->chunk;
+          shm->chunk_from_ = q;
         }
       }
     }

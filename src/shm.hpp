@@ -80,6 +80,8 @@ class Shm final : public Transport {
   // Whether every rank can read every peer's memory (single copy), or why not.
   bool single_copy() const { return single_copy_; }
   const std::string& single_copy_status() const { return single_copy_status_; }
+  // The group's staging chunk, the smallest of its ranks' (ShmLimits::chunk_bytes), and why.
+  std::string chunk_status() const;
   // Whether a peer's process has exited (or is a zombie).
   bool any_peer_gone() const;
   // The pid of rank `peer` while its process runs (not exited, not a zombie,
@@ -130,6 +132,8 @@ class Shm final : public Transport {
   std::vector<int> pids_;
   bool single_copy_ = false;
   std::string single_copy_status_ = "off: not probed";
+  size_t chunk_bytes_ = 0; // this rank's choice, then the group's (connect)
+  int chunk_from_ = -1;     // the rank whose choice it is
 
   // collectives
   uint64_t next_step_ = 0;

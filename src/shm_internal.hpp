@@ -17,14 +17,15 @@ namespace oneccl_bind_pt {
 
 using Clock = std::chrono::steady_clock;
 
-inline constexpr uint64_t kMagic = 0x32766d6873747062ull; // "bptshmv2"
+inline constexpr uint64_t kMagic = 0x33766d6873747062ull; // "bptshmv3": the header has a chunk
 inline constexpr size_t kLine = 64;
 inline constexpr size_t kPage = 4096;
 inline constexpr size_t kSlots = 8;              // message slots per (sender, receiver)
 inline constexpr size_t kSlotBytes = 64 << 10;   // payload per slot
 inline constexpr int kMaxRanks = 128;            // larger groups use oneCCL
-// Each staging buffer (two per rank); larger messages move in chunks this size.
-inline constexpr size_t kBufferBytes = 2 << 20;
+// Each staging buffer (two per rank); a staged step moves a chunk of at most this
+// (ShmLimits::chunk_bytes, agreed in Shm::connect).
+inline constexpr size_t kBufferBytes = kStagingBufferBytes;
 // Allreduce up to this size: every rank folds all buffers (one meeting).
 // Above: each rank reduces its slice, then everyone gathers (two meetings).
 // Above it the split wins even for two ranks: each rank then reduces only its
@@ -117,7 +118,9 @@ struct Header {
   int32_t pid;
   uint64_t total;
   uint64_t self; // where the owner mapped it: the probe of single-copy reads reads it there
+  uint64_t chunk; // the owner's staging chunk (ShmLimits::chunk_bytes): the group takes the smallest
 };
+static_assert(sizeof(Header) <= kLine, "the header fits its cache line");
 
 inline uint64_t* Shm::arrived(int q) const {
   return reinterpret_cast<uint64_t*>(bases_[q] + layout_->arrived);

@@ -330,6 +330,7 @@ def test_doctor_selftest_passes_and_flags_problems(tmp_path):
         assert f"oneccl_bind_pt=={row['version']} (Python {', '.join(row['python'])})" in out
     assert "CCL_WORKER_OFFLOAD=0" in out  # the defaults it applied are shown
     assert re.search(r"\n {17}helpers \d+ \(", out), out  # the helper threads it would use, and why
+    assert re.search(r"\nstaging chunk    \d+ KiB: ", out), out  # what a staged step moves, and why
     # oneCCL's workers: none unless asked, why, and what `auto` would start across hosts
     assert re.search(r"\noneCCL workers   0 \(off unless asked: .*\); auto would give \d+( on CPUs? [\d,]+)? when "
                      r"ranks span hosts \(auto: .*cores: ", out), out

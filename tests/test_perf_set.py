@@ -75,6 +75,10 @@ def test_the_full_set_narrows_the_runs_from_4_ranks(tmp_path):
         assert option(f"bench {n} ranks", "--dtypes") == "float32"
         assert option(f"bench {n} ranks", "--backends") == "ccl,pg,oneccl,oneccl+w"
     assert "bench_ddp 2 ranks x 7 threads workers=1" in cmds
+    envs = {s["name"]: s["env"] for s in json.loads((out / "summary.json").read_text())["steps"]}
+    assert envs["bench 2 ranks, 3 helpers"] == {"ONECCL_BIND_PT_HELPERS": "3"}
+    assert envs["bench 2 ranks, 3 helpers chunk=2M"] == {"ONECCL_BIND_PT_HELPERS": "3",
+                                                         "ONECCL_BIND_PT_SHM_CHUNK_BYTES": "2M"}
     assert "--bucket-view" in cmds["bench_ddp 2 ranks x 8 threads view=1"]
     assert "--bucket-view" not in cmds["bench_ddp 2 ranks x 8 threads"]
 
@@ -85,6 +89,16 @@ def test_the_full_set_narrows_the_runs_from_4_ranks(tmp_path):
 def test_a_mistyped_ddp_run_stops_before_anything_runs(tmp_path, ddp, says):
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, SCRIPT, "run", "--installed", "--quick", "--ddp", ddp, "--out", out],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
+
+
+@pytest.mark.parametrize("helpers, says", [("x", "is not a helper count"), ("3:chunk", "is not NAME=VALUE"),
+                                            ("3:size=2M", "is not NAME=VALUE"), ("1,3,1", "named twice")])
+def test_a_mistyped_helper_run_stops_before_anything_runs(tmp_path, helpers, says):
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, SCRIPT, "run", "--installed", "--quick", "--helpers", helpers, "--out", out],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not out.exists() or not any(out.iterdir()), list(out.iterdir())

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from oneccl_bind_pt.bench import oneccl_group as _oneccl_group
 
-from harness import TRANSPORTS, Lines, expect_transport, popen, require, run_ranks
+from harness import TRANSPORTS, Lines, RankFailure, expect_transport, popen, require, run_ranks
 from test_launchers import ROOT, free_port
 
 NO_SHM = {"ONECCL_BIND_PT_SHM": "0"}
@@ -47,8 +47,10 @@ def _paths(rank, world):
     g = _oneccl_group(world)
     return {
         "small": [pg._path(k, 4096) for k in ("allreduce", "allgather", "broadcast", "send")],
-        "large": {f"{k} {s >> 20}M": pg._path(k, s) for k in ("allreduce", "allgather", "reduce_scatter", "send")
-                  for s in (1 << 20, 1 << 30)},
+        "large": {**{f"{k} {s >> 20}M": pg._path(k, s) for k in ("allreduce", "allgather", "reduce_scatter", "send")
+                     for s in (1 << 20, 1 << 30)},
+                  # allreduce's Intel band ends at 8 MiB
+                  "allreduce 8M": pg._path("allreduce", 8 << 20), "allreduce 8M+1": pg._path("allreduce", (8 << 20) + 1)},
         "off": _backend(g)._path("allreduce", 4),
         "single_copy": pg._single_copy(),
         "helpers": int(_C.helpers().split()[1]),  # "helpers N (why)"
@@ -58,9 +60,9 @@ def _paths(rank, world):
 INTEL = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
 
 SINGLE_COPY = {
-    # The measured bands (src/route.cpp): on Intel CPUs without helper threads allgather,
-    # reduce_scatter and allreduce from 1 MiB up and send up to 1 MiB; otherwise allgather
-    # and reduce_scatter around 1 MiB.
+    # The measured bands (src/route.cpp): on Intel CPUs without helper threads allgather and
+    # reduce_scatter from 256 KiB up, allreduce from 1 to 8 MiB and send up to 1 MiB;
+    # otherwise allgather and reduce_scatter around 1 MiB.
     "default": {},
     "from-256K": {"ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES": "256K"},
     "off": {"ONECCL_BIND_PT_SHM_SINGLE_COPY": "0"},
@@ -75,11 +77,12 @@ def test_paths_and_the_switch(setting):
     assert got["off"] == "oneccl"
     # Large messages: staged in chunks, or read from peers' tensors (this machine lets
     # ranks of one user read each other) where the setting says.
-    intel = {f"{k} {s}M" for k in ("allreduce", "allgather", "reduce_scatter") for s in (1, 1024)} | {"send 1M"}
+    intel = {f"{k} {s}M" for k in ("allgather", "reduce_scatter") for s in (1, 1024)} | {"allreduce 1M", "allreduce 8M",
+                                                                                         "send 1M"}
     narrow = {"allgather 1M", "reduce_scatter 1M"}
     cma = {"default": intel if INTEL and got["helpers"] == 0 else narrow, "helpers": narrow,
            "from-256K": {f"{k} {s}M" for k in ("allreduce", "allgather", "reduce_scatter", "send")
-                         for s in (1, 1024)},
+                         for s in (1, 1024)} | {"allreduce 8M", "allreduce 8M+1"},
            "off": set()}[setting]
     assert got["large"] == {name: "cma" if name in cma else "shm" for name in got["large"]}, got["large"]
     assert got["single_copy"] == ("off: ONECCL_BIND_PT_SHM_SINGLE_COPY=0" if setting == "off" else "on")
@@ -95,6 +98,83 @@ def _crossover(rank, world):
 def test_crossover_setting():
     for small, large, value in run_ranks(_crossover, 2, env={"ONECCL_BIND_PT_SHM_MAX_BYTES": "8K"}):
         assert (small, large, value) == ("shm", "oneccl", 3.0)
+
+
+# ---- the staging chunk ----------------------------------------------------------------------
+# A staged step moves a chunk sized to the L2 cache (src/route.cpp, default_chunk); ranks
+# may choose differently (ONECCL_BIND_PT_SHM_CHUNK_BYTES per process) and must still cut
+# every message alike: the group takes the smallest.
+
+def _l2_bytes():
+    out = subprocess.run(["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True).stdout.strip()
+    return int(out) if out.lstrip("-").isdigit() else 0
+
+
+def _expected_chunk_kib(helpers):
+    # docs/shared-memory.md: an eighth of the L2 cache, 128-512 KiB, per thread; at most 2 MiB.
+    l2 = _l2_bytes()
+    per = 256 if l2 <= 0 else next(k for k in (512, 256, 128) if k == 128 or k * 1024 <= l2 // 8)
+    return min(2048, per * (helpers + 1))
+
+
+def _chunks(rank, world, by_rank):
+    from oneccl_bind_pt import _C
+
+    default = _backend()._staging_chunk()
+    if by_rank[rank]:
+        os.environ["ONECCL_BIND_PT_SHM_CHUNK_BYTES"] = by_rank[rank]
+    g = dist.new_group(list(range(world)))  # reads this rank's variable
+    agreed = _backend(g)._staging_chunk()
+    # Closed forms through the new group, sizes that end mid-chunk: a rank cutting its chunks
+    # differently from the others reads the wrong bytes or meets the wrong step.
+    problems = []
+    n = 800_003
+    j = torch.arange(n, dtype=torch.float32)
+    t = j + rank
+    dist.all_reduce(t, group=g)
+    if not torch.equal(t, j * world + sum(range(world))):
+        problems.append("all_reduce")
+    out = torch.empty(world * n)
+    dist.all_gather_into_tensor(out, j + rank, group=g)
+    if not torch.equal(out, (j + torch.arange(world, dtype=torch.float32).view(world, 1)).flatten()):
+        problems.append("all_gather_into_tensor")
+    k = n // world
+    share = torch.empty(k)
+    dist.reduce_scatter_tensor(share, j[: world * k] + rank, group=g)
+    if not torch.equal(share, j[rank * k:(rank + 1) * k] * world + sum(range(world))):
+        problems.append("reduce_scatter_tensor")
+    a2a = torch.empty(world * k)
+    dist.all_to_all_single(a2a, j[: world * k] + n * rank, group=g)
+    want = torch.cat([j[rank * k:(rank + 1) * k] + n * q for q in range(world)])
+    if not torch.equal(a2a, want):
+        problems.append("all_to_all_single")
+    return default, agreed, int(_C.helpers().split()[1]), problems
+
+
+@pytest.mark.parametrize("single_copy", ["off", "from-256K"])
+def test_the_staging_chunk_is_the_l2_rule_and_a_group_takes_its_smallest(single_copy):
+    # off: every step staged; from-256K: reduce_scatter reads its peers in windows of the chunk.
+    env = {**TRANSPORTS["shm"], **SINGLE_COPY[single_copy]}
+    got = run_ranks(_chunks, 3, ["", "128K", "64K"], env=env, timeout=300)
+    for rank, (default, agreed, helpers, problems) in enumerate(got):
+        assert default.startswith(f"{_expected_chunk_kib(helpers)} KiB: "), (rank, default)
+        assert not problems, f"rank {rank}: {problems}"
+        if rank == 2:
+            assert agreed == "64 KiB: ONECCL_BIND_PT_SHM_CHUNK_BYTES", agreed
+        else:
+            assert agreed.startswith("64 KiB, rank 2's (the smallest of the group's; "), (rank, agreed)
+
+
+def _never_runs(rank, world):
+    raise AssertionError("the group was created despite a bad value")
+
+
+@pytest.mark.parametrize("value", ["1K", "4M", "-64K", "256KB", "abc"])
+def test_a_bad_staging_chunk_fails_the_group_with_its_name(value):
+    with pytest.raises(RankFailure) as caught:
+        run_ranks(_never_runs, 2, env={**TRANSPORTS["shm"], "ONECCL_BIND_PT_SHM_CHUNK_BYTES": value}, timeout=120)
+    text = str(caught.value)
+    assert f"ValueError: ONECCL_BIND_PT_SHM_CHUNK_BYTES={value} is not a size from 64K to 2M" in text, text
 
 
 def _alltoall(rank, world):

@@ -60,8 +60,9 @@ at::ScalarType kernel_dtype(at::ScalarType dtype);
 // (helpers.hpp).
 void copy_bytes(void* dst, const void* src, size_t n);
 
-// Several copies as one (a run of a send's ring slots): split across the helper threads
-// by their total bytes from kSplitFrom on, a piece possibly spanning two copies.
+// Several copies as one (a run of a send's ring slots; a staged step's copies to or from
+// every peer): split across the helper threads by their total bytes from kSplitFrom on, a
+// piece possibly spanning two copies, so a step wakes and joins the helpers once.
 struct CopyRange {
   void* dst;
   const void* src;

@@ -126,11 +126,14 @@ void ShmPending::stage(const Prim& p) {
       case Prim::Kind::Reduce:
         copy_bytes(buf, src + lo * unit, (hi - lo) * unit);
         break;
-      case Prim::Kind::ReduceScatter:
+      case Prim::Kind::ReduceScatter: {
+        CopyRange ranges[kMaxRanks];
         for (int q = 0; q < n; ++q) {
-          copy_bytes(buf + q * (hi - lo) * unit, src + (q * p.count + lo) * unit, (hi - lo) * unit);
+          ranges[q] = {buf + q * (hi - lo) * unit, src + (q * p.count + lo) * unit, (hi - lo) * unit};
         }
+        copy_ranges(ranges, n);
         break;
+      }
       case Prim::Kind::Broadcast:
         if (p.peer == me) {
           copy_bytes(buf, src + lo, hi - lo);
@@ -146,12 +149,15 @@ void ShmPending::stage(const Prim& p) {
         const size_t cap = capacity(p);
         const size_t from = chunk_ * cap;
         size_t offset = 0;
+        CopyRange ranges[kMaxRanks];
+        size_t k = 0;
         for (int q = 0; q < n; ++q) {
           if (p.send_counts[q] > from) {
-            copy_bytes(buf + q * cap, src + offset + from, std::min(cap, p.send_counts[q] - from));
+            ranges[k++] = {buf + q * cap, src + offset + from, std::min(cap, p.send_counts[q] - from)};
           }
           offset += p.send_counts[q];
         }
+        copy_ranges(ranges, k);
         break;
       }
       default:
@@ -341,27 +347,33 @@ bool ShmPending::move(const Prim& p) {
       return true;
     case Prim::Kind::Allgatherv: {
       size_t offset = 0;
+      CopyRange ranges[kMaxRanks];
+      size_t k = 0;
       for (int q = 0; q < n; ++q) {
         const size_t theirs = p.recv_counts[q];
         char* to = p.dst_list.empty() ? dst + offset : static_cast<char*>(p.dst_list[q]);
         if (theirs > lo) {
-          copy_bytes(to + lo, in[q], std::min(theirs, hi) - lo);
+          ranges[k++] = {to + lo, in[q], std::min(theirs, hi) - lo};
         }
         offset += theirs;
       }
+      copy_ranges(ranges, k); // one split across the helpers for all of them
       return true;
     }
     case Prim::Kind::Alltoallv: {
       const size_t cap = capacity(p);
       const size_t from = chunk_ * cap;
       size_t offset = 0;
+      CopyRange ranges[kMaxRanks];
+      size_t k = 0;
       for (int q = 0; q < n; ++q) {
         if (p.recv_counts[q] > from) {
-          copy_bytes(dst + offset + from, static_cast<const char*>(in[q]) + me * cap,
-                      std::min(cap, p.recv_counts[q] - from));
+          ranges[k++] = {dst + offset + from, static_cast<const char*>(in[q]) + me * cap,
+                         std::min(cap, p.recv_counts[q] - from)};
         }
         offset += p.recv_counts[q];
       }
+      copy_ranges(ranges, k);
       return true;
     }
     default:
@@ -385,6 +397,8 @@ bool ShmPending::finish_two_meetings(const Prim& p) {
   const size_t lo = chunk_ * capacity(p);
   const size_t w = std::min(total(p), lo + capacity(p)) - lo;
   char* dst = static_cast<char*>(p.dst) + lo * unit;
+  CopyRange ranges[kMaxRanks];
+  size_t k = 0;
   for (int q = 0; q < n; ++q) {
     const auto [slo, shi] = slice(w, q);
     if (shi <= slo) {
@@ -396,9 +410,10 @@ bool ShmPending::finish_two_meetings(const Prim& p) {
         shm_.read_peer(q, dst + slo * unit, shm_.sig(q, step_)->dst + (lo + slo) * unit, (shi - slo) * unit, op_);
       }
     } else {
-      copy_bytes(dst + slo * unit, shm_.buffer(q, step_) + slo * unit, (shi - slo) * unit);
+      ranges[k++] = {dst + slo * unit, shm_.buffer(q, step_) + slo * unit, (shi - slo) * unit};
     }
   }
+  copy_ranges(ranges, k); // the staged slices, as one split across the helpers
   return true;
 }
 

@@ -17,6 +17,7 @@ oneCCL path; the whole suite at world sizes 2 and 3, and the smoke plan, with --
 
 import dataclasses
 import functools
+import json
 import re
 import types
 
@@ -25,6 +26,7 @@ import pytest
 from pytorch_suite import known_issues, loader
 from pytorch_suite.check import check_plan, judge
 from pytorch_suite.compare import compare
+from pytorch_suite.report import render
 from pytorch_suite.runner import FAILED, PASSED, SKIPPED, CaseResult, SuiteRun, inventory
 from pytorch_suite.selection import PLANS, TRANSPORT_ENV
 
@@ -145,6 +147,25 @@ def test_a_plan_fails_when_too_few_cases_pass():
     problems = judge(plan, skipped, _run("gloo", **{name: SKIPPED for name in plan.cases}))
     assert len(problems) == 1 and "passed on ccl" in problems[0], problems
     assert judge(plan, _run("ccl", **{name: PASSED for name in plan.cases}), None) == []
+
+
+def test_the_report_judges_a_whole_run_by_its_transports_known_issues(tmp_path):
+    # `run --transport oneccl` saves ccl-oneccl-ws2.json beside the shared-memory run; the report
+    # compares each with gloo, with its own transport's list.
+    gloo = _run("gloo", test_send_recv_any_source=PASSED)
+    gloo.save(tmp_path / "gloo-ws2.json")
+    _run("ccl", test_send_recv_any_source=FAILED).save(tmp_path / "ccl-ws2.json")
+    on_oneccl = dataclasses.replace(_run("ccl", test_send_recv_any_source=FAILED), transport="oneccl")
+    on_oneccl.save(tmp_path / "ccl-oneccl-ws2.json")
+    text = render([tmp_path])
+    shm, oneccl = text.split("## World size 2, ccl-oneccl")
+    assert "## World size 2, ccl\n" in shm and "1 of them not in known_issues.py" in shm and "**unlisted**" in shm, text
+    assert "0 of them not in known_issues.py" in oneccl and "**unlisted**" not in oneccl, text
+    # A run saved before runs recorded their transport was on shared memory.
+    data = json.loads((tmp_path / "ccl-ws2.json").read_text())
+    del data["transport"]
+    (tmp_path / "ccl-ws2.json").write_text(json.dumps(data))
+    assert SuiteRun.load(tmp_path / "ccl-ws2.json").transport == "shm"
 
 
 def test_a_plan_is_judged_by_its_transports_known_issues():

@@ -6,7 +6,13 @@ import re
 from pathlib import Path
 
 from pytorch_suite.compare import compare, excerpt
+from pytorch_suite.known_issues import known_for
 from pytorch_suite.runner import FAILED, PASSED, SKIPPED, SuiteRun
+
+
+def label(run: SuiteRun) -> str:
+    """gloo, ccl (on shared memory) or ccl-oneccl: a run's row, and its file's stem."""
+    return "ccl-oneccl" if run.backend == "ccl" and run.transport == "oneccl" else run.backend
 
 
 def load_runs(dirs: list[Path]) -> dict[tuple[str, int], SuiteRun]:
@@ -14,7 +20,7 @@ def load_runs(dirs: list[Path]) -> dict[tuple[str, int], SuiteRun]:
     for d in dirs:
         for path in sorted(Path(d).glob("*-ws*.json")):
             run = SuiteRun.load(path)
-            runs[(run.backend, run.world_size)] = run
+            runs[(label(run), run.world_size)] = run
     return runs
 
 
@@ -35,8 +41,8 @@ def counts_table(runs: dict[tuple[str, int], SuiteRun]) -> str:
 
 def differences_table(gloo: SuiteRun, ccl: SuiteRun) -> str:
     """The cases ccl does worse on, one row per known issue (its cases together), then the unlisted."""
-    cmp = compare(gloo, ccl)
-    rows = [f"Cases that pass on gloo but not on ccl (or skip differently), world size {cmp.world_size}: "
+    cmp = compare(gloo, ccl, known_for(ccl.world_size, ccl.transport))
+    rows = [f"Cases that pass on gloo but not on {label(ccl)} (or skip differently), world size {cmp.world_size}: "
             f"{len(cmp.differences)}, {len(cmp.unexpected)} of them not in known_issues.py.", "",
             "| category | issue | cases | ccl outcome | ccl error (first lines, first case) |", "|---|---|---|---|---|"]
     groups: dict[tuple[str, str], list] = {}
@@ -63,6 +69,8 @@ def render(dirs: list[Path]) -> str:
     runs = load_runs(dirs)
     out = ["## Outcomes", "", counts_table(runs)]
     for world in sorted({w for _, w in runs}):
-        if ("gloo", world) in runs and ("ccl", world) in runs:
-            out += ["", f"## World size {world}", "", differences_table(runs[("gloo", world)], runs[("ccl", world)])]
+        for name in ("ccl", "ccl-oneccl"):
+            if ("gloo", world) in runs and (name, world) in runs:
+                out += ["", f"## World size {world}, {name}", "",
+                        differences_table(runs[("gloo", world)], runs[(name, world)])]
     return "\n".join(out) + "\n"

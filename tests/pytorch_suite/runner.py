@@ -67,6 +67,9 @@ class SuiteRun:
     wall_seconds: float
     returncode: int  # pytest's; 0 or 1 when every selected case ran
     output: str  # pytest's console output
+    # Where a ccl run's data went (selection.TRANSPORT_ENV): "shm" (the package's shared
+    # memory, its default on one host) or "oneccl"; runs saved before it was recorded were shm.
+    transport: str = "shm"
 
     @property
     def complete(self) -> bool:

@@ -10,6 +10,7 @@ messages against values known in advance, on both transports (the `transport` fi
 from __future__ import annotations
 
 import ctypes
+import datetime
 import os
 import platform
 import pwd
@@ -123,10 +124,20 @@ def _chunks(rank, world, by_rank):
     default = _backend()._staging_chunk()
     if by_rank[rank]:
         os.environ["ONECCL_BIND_PT_SHM_CHUNK_BYTES"] = by_rank[rank]
-    g = dist.new_group(list(range(world)))  # reads this rank's variable
-    agreed = _backend(g)._staging_chunk()
-    # Closed forms through the new group, sizes that end mid-chunk: a rank cutting its chunks
-    # differently from the others reads the wrong bytes or meets the wrong step.
+    got = {}
+    # Two groups, each reading this rank's variables when made: every step staged, then
+    # single copy from 256 KiB (reduce_scatter reads its peers in windows of the chunk).
+    for name, variables in (("staged", SINGLE_COPY["off"]), ("single copy", SINGLE_COPY["from-256K"])):
+        os.environ.pop("ONECCL_BIND_PT_SHM_SINGLE_COPY", None)
+        os.environ.update(variables)
+        g = dist.new_group(list(range(world)))
+        got[name] = (_backend(g)._staging_chunk(), _closed_forms(rank, world, g))
+    return default, got, int(_C.helpers().split()[1])
+
+
+def _closed_forms(rank, world, g):
+    # Sizes that end mid-chunk: a rank cutting its chunks differently from the others reads
+    # the wrong bytes or meets the wrong step.
     problems = []
     n = 800_003
     j = torch.arange(n, dtype=torch.float32)
@@ -148,33 +159,40 @@ def _chunks(rank, world, by_rank):
     want = torch.cat([j[rank * k:(rank + 1) * k] + n * q for q in range(world)])
     if not torch.equal(a2a, want):
         problems.append("all_to_all_single")
-    return default, agreed, int(_C.helpers().split()[1]), problems
+    return problems
 
 
-@pytest.mark.parametrize("single_copy", ["off", "from-256K"])
-def test_the_staging_chunk_is_the_l2_rule_and_a_group_takes_its_smallest(single_copy):
-    # off: every step staged; from-256K: reduce_scatter reads its peers in windows of the chunk.
-    env = {**TRANSPORTS["shm"], **SINGLE_COPY[single_copy]}
-    got = run_ranks(_chunks, 3, ["", "128K", "64K"], env=env, timeout=300)
-    for rank, (default, agreed, helpers, problems) in enumerate(got):
+def test_the_staging_chunk_is_the_l2_rule_and_a_group_takes_its_smallest():
+    got = run_ranks(_chunks, 3, ["", "128K", "64K"], env=TRANSPORTS["shm"], timeout=300)
+    for rank, (default, groups, helpers) in enumerate(got):
         assert default.startswith(f"{_expected_chunk_kib(helpers)} KiB: "), (rank, default)
-        assert not problems, f"rank {rank}: {problems}"
-        if rank == 2:
-            assert agreed == "64 KiB: ONECCL_BIND_PT_SHM_CHUNK_BYTES", agreed
-        else:
-            assert agreed.startswith("64 KiB, rank 2's (the smallest of the group's; "), (rank, agreed)
+        for name, (agreed, problems) in groups.items():
+            assert not problems, f"rank {rank}, {name}: {problems}"
+            if rank == 2:
+                assert agreed == "64 KiB: ONECCL_BIND_PT_SHM_CHUNK_BYTES", (name, agreed)
+            else:
+                assert agreed.startswith("64 KiB, rank 2's (the smallest of the group's; "), (rank, name, agreed)
 
 
 def _never_runs(rank, world):
     raise AssertionError("the group was created despite a bad value")
 
 
-@pytest.mark.parametrize("value", ["1K", "4M", "-64K", "256KB", "abc"])
-def test_a_bad_staging_chunk_fails_the_group_with_its_name(value):
+def test_a_bad_staging_chunk_fails_the_group_with_its_name(monkeypatch):
+    # On ranks: init_process_group raises it, before any rendezvous.
     with pytest.raises(RankFailure) as caught:
-        run_ranks(_never_runs, 2, env={**TRANSPORTS["shm"], "ONECCL_BIND_PT_SHM_CHUNK_BYTES": value}, timeout=120)
+        run_ranks(_never_runs, 2, env={**TRANSPORTS["shm"], "ONECCL_BIND_PT_SHM_CHUNK_BYTES": "abc"}, timeout=120)
     text = str(caught.value)
-    assert f"ValueError: ONECCL_BIND_PT_SHM_CHUNK_BYTES={value} is not a size from 64K to 2M" in text, text
+    assert "ValueError: ONECCL_BIND_PT_SHM_CHUNK_BYTES=abc is not a size from 64K to 2M" in text, text
+    # The others here, where the backend's constructor checks it before anything else: none
+    # of them gets as far as a communicator, so no ranks are needed.
+    from oneccl_bind_pt import _C
+
+    for value in ("1K", "4M", "-64K", "256KB"):
+        monkeypatch.setenv("ONECCL_BIND_PT_SHM_CHUNK_BYTES", value)
+        with pytest.raises(ValueError, match=f"ONECCL_BIND_PT_SHM_CHUNK_BYTES={value} is not a size from 64K to 2M"):
+            # (Were it not checked, the rendezvous would fail after 2 s, not with this error.)
+            _C.ProcessGroupCCL(dist.HashStore(), 0, 2, timeout=datetime.timedelta(seconds=2))
 
 
 def _alltoall(rank, world):

@@ -83,22 +83,15 @@ def test_the_full_set_narrows_the_runs_from_4_ranks(tmp_path):
     assert "--bucket-view" not in cmds["bench_ddp 2 ranks x 8 threads"]
 
 
-@pytest.mark.parametrize("ddp, says", [("2x8:view=true", "view is 0 or 1"), ("2x8:view", "is not NAME=VALUE"),
-                                        ("2x8:colour=1", "is not NAME=VALUE"), ("2by8", "is not RANKSxTHREADS"),
-                                        ("2x8:view=1,2x8:view=1", "named twice")])
-def test_a_mistyped_ddp_run_stops_before_anything_runs(tmp_path, ddp, says):
+@pytest.mark.parametrize("option, value, says", [
+    ("--ddp", "2x8:view=true", "view is 0 or 1"), ("--ddp", "2x8:view", "is not NAME=VALUE"),
+    ("--ddp", "2x8:colour=1", "is not NAME=VALUE"), ("--ddp", "2by8", "is not RANKSxTHREADS"),
+    ("--ddp", "2x8:view=1,2x8:view=1", "named twice"), ("--helpers", "x", "is not a helper count"),
+    ("--helpers", "3:chunk", "is not NAME=VALUE"), ("--helpers", "3:size=2M", "is not NAME=VALUE"),
+    ("--helpers", "1,3,1", "named twice")])
+def test_a_mistyped_run_stops_before_anything_runs(tmp_path, option, value, says):
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, SCRIPT, "run", "--installed", "--quick", "--ddp", ddp, "--out", out],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
-
-
-@pytest.mark.parametrize("helpers, says", [("x", "is not a helper count"), ("3:chunk", "is not NAME=VALUE"),
-                                            ("3:size=2M", "is not NAME=VALUE"), ("1,3,1", "named twice")])
-def test_a_mistyped_helper_run_stops_before_anything_runs(tmp_path, helpers, says):
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, SCRIPT, "run", "--installed", "--quick", "--helpers", helpers, "--out", out],
+    r = subprocess.run([sys.executable, SCRIPT, "run", "--installed", "--quick", option, value, "--out", out],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not out.exists() or not any(out.iterdir()), list(out.iterdir())

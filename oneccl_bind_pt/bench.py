@@ -20,6 +20,12 @@ Columns (--backends), and the environment each one runs in:
             never single copy).
   single    a ccl group created with ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES=0 (single
             copy at every size).
+  ccl:VAR=VALUE
+            a ccl group created with VAR=VALUE, where VAR is a variable read when a
+            group is created (ONECCL_BIND_PT_SHM_CHUNK_BYTES, ONECCL_BIND_PT_SHM_MAX_BYTES,
+            ONECCL_BIND_PT_SHM_SINGLE_COPY, ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES): an A/B
+            of that setting against `ccl` in the same processes, e.g.
+            --backends ccl,ccl:ONECCL_BIND_PT_SHM_CHUNK_BYTES=2M.
   oneccl    the default ccl group of ranks started with ONECCL_BIND_PT_SHM=0: every
             collective through oneCCL, with the defaults the package sets for that
             (oneCCL's shared memory, CCL_ATL_SHM=1; no oneCCL worker thread).
@@ -101,6 +107,22 @@ COLUMNS = {
 }
 BACKENDS = list(COLUMNS)
 DEFAULT_BACKENDS = ["ccl", "pg", "oneccl", WORKERS, "gloo", "raw", "copy"]
+# What a `ccl:VAR=VALUE` column may set: the variables read when a group is created (each
+# group's own), so its group and `ccl`'s share processes and interleave point by point.
+# Where a host's performance drifts by 2-5x from one set of processes to the next (a 2-core
+# VM did), only such a column gives a fair A/B.
+GROUP_VARS = ("ONECCL_BIND_PT_SHM_CHUNK_BYTES", "ONECCL_BIND_PT_SHM_MAX_BYTES", "ONECCL_BIND_PT_SHM_SINGLE_COPY",
+              "ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES")
+
+
+def column(name):
+    """The Column `name` means: one of COLUMNS, or a `ccl:VAR=VALUE` group; None if neither."""
+    if name in COLUMNS:
+        return COLUMNS[name]
+    var, eq, value = name.removeprefix("ccl:").partition("=")
+    if name.startswith("ccl:") and eq and var in GROUP_VARS and value:
+        return Column(group_env={var: value})
+    return None
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRESETS = {
     # The comparison the README quotes: a few sizes, every op, under 3 minutes.
@@ -384,7 +406,7 @@ def worker_layout(nprocs, cores):
 
 def column_env(name, nprocs, cores):
     """The variables a column's processes are started with (COLUMNS, + the workers')."""
-    env = dict(COLUMNS[name].env)
+    env = dict(column(name).env)
     if name == WORKERS:
         count, affinity, _ = worker_layout(nprocs, cores)
         env.update(CCL_WORKER_COUNT=str(count), CCL_WORKER_AFFINITY=",".join(map(str, affinity)))
@@ -405,13 +427,12 @@ def make_groups(world, backends):
     groups = {b: dist.group.WORLD for b in ("ccl", "oneccl", WORKERS)}
     groups["gloo"] = dist.new_group(backend="gloo")
     # In the same order on every rank (new_group is collective), only those asked for.
-    groups.update({b: group_with(world, COLUMNS[b].group_env)
-                   for b in BACKENDS if COLUMNS[b].group_env and b in backends})
+    groups.update({b: group_with(world, column(b).group_env) for b in backends if column(b).group_env})
     return groups
 
 
 def benchmark(args, rank, world):
-    backends = [b for b in args.backends if b in BACKENDS]
+    backends = [b for b in args.backends if column(b)]
     groups = make_groups(world, backends)
     gloo_group = groups["gloo"]
     points = [
@@ -547,7 +568,7 @@ def finish(results, world, args, sets, skipped):
               f"{', '.join(skipped)}", flush=True)
     report(results, world, args, sets)
     if args.json:
-        columns = {b: {"env": st["env"], "group_env": COLUMNS[b].group_env, "processes": i}
+        columns = {b: {"env": st["env"], "group_env": column(b).group_env, "processes": i}
                    for i, st in enumerate(sets) for b in st["columns"]}
         with open(args.json, "w") as f:
             json.dump({"world": world, "cpus": os.cpu_count(), "memory_hog": args.memory_hog,
@@ -614,7 +635,7 @@ def under_launcher(args):
     shm_off = os.environ.get("ONECCL_BIND_PT_SHM", "1").lower() in ("0", "off", "false")
     workers = "CCL_WORKER_COUNT" in os.environ
     here = [b for b in args.backends
-            if (COLUMNS[b].env.get("ONECCL_BIND_PT_SHM") == "0", b == WORKERS) == (shm_off, workers)]
+            if (column(b).env.get("ONECCL_BIND_PT_SHM") == "0", b == WORKERS) == (shm_off, workers)]
     skipped = [b for b in args.backends if b not in here]
     dist.init_process_group("ccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -668,8 +689,8 @@ def parse_args(argv=None):
     p.add_argument("--sizes", help="comma-separated message sizes (e.g. 4K,64K,1M,16M,64M), instead of "
                    "--min-bytes/--max-bytes/--factor")
     p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
-                   help="comma-separated columns: " + ", ".join(BACKENDS) + " (default: %(default)s; what each "
-                   "one is and the environment it runs in: above)")
+                   help="comma-separated columns: " + ", ".join(BACKENDS) + ", ccl:VAR=VALUE (default: "
+                   "%(default)s; what each one is and the environment it runs in: above)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named selection of ops and sizes")
     p.add_argument("--seconds", type=float, default=0.2, help="time spent per backend per point")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds per point")
@@ -694,7 +715,11 @@ def parse_args(argv=None):
         while size <= parse_bytes(args.max_bytes):
             args.sizes.append(size)
             size *= args.factor
-    check_choices(p, op=(args.ops, OPS), dtype=(args.dtypes, DTYPES), backend=(args.backends, BACKENDS))
+    check_choices(p, op=(args.ops, OPS), dtype=(args.dtypes, DTYPES))
+    bad = [b for b in args.backends if not column(b)]
+    if bad:
+        p.error(f"unknown backend {bad}; expected some of {BACKENDS}, or ccl:VAR=VALUE with VAR one of "
+                f"{list(GROUP_VARS)} (variables read once per process need a run of their own)")
     return args
 
 

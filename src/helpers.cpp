@@ -154,10 +154,7 @@ HelperPlan choose() {
     plan.description = "helpers " + std::to_string(plan.count) + " (ONECCL_BIND_PT_HELPERS)";
     return plan;
   }
-  int local = env_int("CCL_LOCAL_SIZE");
-  if (local < 1) {
-    local = std::max(1, env_int("LOCAL_WORLD_SIZE"));
-  }
+  const int local = local_ranks();
   const RankCores mine = rank_cores(local);
   const int compute = std::max(1, at::get_num_threads());
   const int workers = oneccl_workers();
@@ -334,13 +331,20 @@ RankCores rank_cores(int local) {
   // launcher pinned it), unless it is too wide for every rank to have one like it.
   r.pinned = cpus < allowed && static_cast<long>(cpus) * local <= allowed;
   r.cores = r.pinned ? cpus : std::max(1, cpus / local);
+  r.crowded = !r.pinned && local > cpus;
   r.why = r.pinned ? of(cpus, "CPU") + " in its affinity" : of(cpus, "CPU") + " / " + of(local, "rank") + " on this host";
   // A CPU quota is the container's, shared by all its ranks.
   if (box.quota > 0 && box.quota / local < r.cores) {
     r.cores = std::max(1, box.quota / local);
     r.why = "a CPU quota of " + of(box.quota, "CPU") + " / " + of(local, "rank");
   }
+  r.crowded = r.crowded || (box.quota > 0 && local > box.quota);
   return r;
+}
+
+int local_ranks() {
+  const int local = env_int("CCL_LOCAL_SIZE");
+  return local >= 1 ? local : std::max(1, env_int("LOCAL_WORLD_SIZE"));
 }
 
 const HelperPlan& helper_plan() {

@@ -30,10 +30,14 @@ struct HelperPlan {
 // those CPUs / local_ranks, and no more than a container's CPU quota / local_ranks.
 struct RankCores {
   int cores = 1;
-  bool pinned = false; // the affinity is this rank's own
-  std::string why;     // e.g. "16 CPUs / 2 ranks on this host"
+  bool pinned = false;  // the affinity is this rank's own
+  bool crowded = false; // more ranks on this host than the CPUs (or CPU quota) they share
+  std::string why;      // e.g. "16 CPUs / 2 ranks on this host"
 };
 RankCores rank_cores(int local_ranks);
+// The ranks on this host: CCL_LOCAL_SIZE (the package sets it before the first group),
+// else LOCAL_WORLD_SIZE, else 1.
+int local_ranks();
 
 // Chosen once per process; throws c10::ValueError for an ONECCL_BIND_PT_HELPERS
 // that is not a whole number from 0 to kMaxHelpersAsked.

@@ -145,7 +145,13 @@ std::string ProcessGroupCCL::single_copy_status() const {
 }
 
 std::string ProcessGroupCCL::staging_chunk() const {
-  return comm_->shm() ? comm_->shm()->chunk_status() : "none: no shared memory on this group";
+  const Shm* shm = comm_->shm();
+  if (!shm) {
+    return "none: no shared memory on this group";
+  }
+  // Single copy's reduce windows, where they are not the chunk (a crowded host).
+  return shm->chunk_status() +
+      (shm->window_bytes() == shm->chunk_bytes() ? "" : "; single copy's reduce windows " + shm->window_status());
 }
 
 // The one path every op takes: a Work, its Prims started on the group's

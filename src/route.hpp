@@ -52,6 +52,11 @@ struct ShmLimits {
   // most the buffer. A group takes the smallest of its ranks' (Shm::connect).
   size_t chunk_bytes = kStagingBufferBytes;
   std::string chunk_why;
+  // What single copy's reduce and reduce_scatter read of their peers per step: the chunk,
+  // but the whole buffer where this host's ranks outnumber their CPUs (RankCores::crowded),
+  // as every window is a meeting. A group takes the smallest of its ranks' (Shm::connect).
+  size_t window_bytes = kStagingBufferBytes;
+  std::string window_why;
   // Where a collective of `kind` with `bytes` per rank runs on a group with shared memory.
   Route route(Prim::Kind kind, size_t bytes, bool group_has_cma) const;
   // From ONECCL_BIND_PT_SHM_MAX_BYTES, ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES (one

@@ -91,6 +91,7 @@ Shm::Shm(int rank, int size, Transport* fallback)
       current_in_(size) {
   chunk_bytes_ = limits_.chunk_bytes;
   chunk_from_ = rank;
+  window_bytes_ = limits_.window_bytes;
 }
 
 std::string Shm::chunk_status() const {
@@ -100,6 +101,13 @@ std::string Shm::chunk_status() const {
   }
   return std::to_string(chunk_bytes_ >> 10) + " KiB, rank " + std::to_string(chunk_from_) +
       "'s (the smallest of the group's; this rank's: " + mine + ")";
+}
+
+std::string Shm::window_status() const {
+  return std::to_string(window_bytes_ >> 10) + " KiB" +
+      (window_bytes_ == limits_.window_bytes ? ": " + limits_.window_why
+                                             : " (the smallest of the group's; this rank's: " +
+               std::to_string(limits_.window_bytes >> 10) + " KiB, " + limits_.window_why + ")");
 }
 
 Shm::~Shm() {
@@ -141,6 +149,7 @@ std::unique_ptr<Shm> Shm::connect(
       h->total = total;
       h->self = reinterpret_cast<uint64_t>(base);
       h->chunk = shm->limits_.chunk_bytes;
+      h->window = shm->limits_.window_bytes;
       store_release(&h->magic, kMagic);
       mine = std::to_string(getpid()) + ":" + std::to_string(fd);
     }
@@ -174,12 +183,16 @@ std::unique_ptr<Shm> Shm::connect(
         shm->bases_[q] = static_cast<char*>(base);
         auto* h = reinterpret_cast<Header*>(base);
         if (load_acquire(&h->magic) != kMagic || h->rank != q || h->size != size ||
-            h->chunk < kMinStagingChunk || h->chunk > kBufferBytes) {
+            h->chunk < kMinStagingChunk || h->chunk > kBufferBytes || h->window < kMinStagingChunk ||
+            h->window > kBufferBytes) {
           problem = "rank " + std::to_string(q) + "'s segment is not what it published";
-        } else if (h->chunk < shm->chunk_bytes_) {
+        } else {
           // Every rank must cut a Prim into the same chunks: the smallest choice wins.
-          shm->chunk_bytes_ = h->chunk;
-          shm->chunk_from_ = q;
+          if (h->chunk < shm->chunk_bytes_) {
+            shm->chunk_bytes_ = h->chunk;
+            shm->chunk_from_ = q;
+          }
+          shm->window_bytes_ = std::min<size_t>(shm->window_bytes_, h->window);
         }
       }
     }

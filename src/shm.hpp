@@ -82,6 +82,10 @@ class Shm final : public Transport {
   const std::string& single_copy_status() const { return single_copy_status_; }
   // The group's staging chunk, the smallest of its ranks' (ShmLimits::chunk_bytes), and why.
   std::string chunk_status() const;
+  // What single copy's reduce and reduce_scatter read per step on this group, and why.
+  std::string window_status() const;
+  size_t chunk_bytes() const { return chunk_bytes_; }
+  size_t window_bytes() const { return window_bytes_; }
   // Whether a peer's process has exited (or is a zombie).
   bool any_peer_gone() const;
   // The pid of rank `peer` while its process runs (not exited, not a zombie,
@@ -134,6 +138,7 @@ class Shm final : public Transport {
   std::string single_copy_status_ = "off: not probed";
   size_t chunk_bytes_ = 0; // this rank's choice, then the group's (connect)
   int chunk_from_ = -1;     // the rank whose choice it is
+  size_t window_bytes_ = 0; // this rank's single-copy reduce window, then the group's (connect)
 
   // collectives
   uint64_t next_step_ = 0;

@@ -24,16 +24,17 @@ size_t ShmPending::capacity(const Prim& p) const {
     // Single copy: a reduction reads the peers' shares of a window into this rank's
     // buffer (n - 1 of them: allreduce's slices start on whole lines); the rest read
     // straight into the output, the whole Prim in one step. Reduce and reduce_scatter read
-    // a chunk's worth (ShmLimits::chunk_bytes), which the reduction then finds in cache:
-    // on a 2-core Intel Xeon VM, 2 ranks, reduce_scatter of 1-16 MiB took 0.73-0.82x with
-    // 256 KiB against 2 MiB (two runs). Allreduce keeps the whole buffer: it took 1.26-1.36x at
+    // a window (ShmLimits::window_bytes: the chunk, but the whole buffer where ranks outnumber
+    // CPUs), which the reduction then finds in cache: on a 2-core Intel Xeon VM, 2 ranks,
+    // reduce_scatter of 1-16 MiB took 0.73-0.82x with 256 KiB against 2 MiB (two runs).
+    // Allreduce keeps the whole buffer: it took 1.26-1.36x at
     // 4-8 MiB with 256-512 KiB windows, each a reduction, a gather and three meetings.
     switch (p.kind) {
       case Prim::Kind::Allreduce:
         return shm_.size_ * (buffer / unit / others / 16 * 16);
       case Prim::Kind::Reduce:
       case Prim::Kind::ReduceScatter:
-        return std::min(buffer, std::max(shm_.chunk_bytes_, 64 * unit * others)) / unit / others / 64 * 64;
+        return std::min(buffer, std::max(shm_.window_bytes_, 64 * unit * others)) / unit / others / 64 * 64;
       default:
         return std::max<size_t>(1, total(p));
     }

@@ -17,7 +17,7 @@ namespace oneccl_bind_pt {
 
 using Clock = std::chrono::steady_clock;
 
-inline constexpr uint64_t kMagic = 0x33766d6873747062ull; // "bptshmv3": the header has a chunk
+inline constexpr uint64_t kMagic = 0x34766d6873747062ull; // "bptshmv4": the header has a chunk and a window
 inline constexpr size_t kLine = 64;
 inline constexpr size_t kPage = 4096;
 inline constexpr size_t kSlots = 8;              // message slots per (sender, receiver)
@@ -119,6 +119,7 @@ struct Header {
   uint64_t total;
   uint64_t self; // where the owner mapped it: the probe of single-copy reads reads it there
   uint64_t chunk; // the owner's staging chunk (ShmLimits::chunk_bytes): the group takes the smallest
+  uint64_t window; // the owner's single-copy reduce window (ShmLimits::window_bytes): the smallest too
 };
 static_assert(sizeof(Header) <= kLine, "the header fits its cache line");
 

@@ -85,6 +85,21 @@ def test_worker_layout_keeps_workers_off_the_ranks_cores():
                           "CCL_WORKER_AFFINITY": "4,5,6,7,12,13,14,15"}
 
 
+def test_a_column_of_a_group_variable_shares_the_ccl_processes():
+    from oneccl_bind_pt import bench
+
+    chunk = "ccl:ONECCL_BIND_PT_SHM_CHUNK_BYTES=2M"
+    assert bench.process_sets(["ccl", chunk, "oneccl"], 2, list(range(4)))[0] == ({}, ["ccl", chunk])
+    assert bench.parse_args(["--backends", f"ccl,{chunk}"]).backends == ["ccl", chunk]
+    # A variable read once per process cannot differ between two groups of one process.
+    for bad in ("ccl:ONECCL_BIND_PT_HELPERS=1", "ccl:ONECCL_BIND_PT_SHM_CHUNK_BYTES", "pg:X=1"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--backends", f"ccl,{bad}"])
+
+
+CHUNK_COLUMN = "ccl:ONECCL_BIND_PT_SHM_CHUNK_BYTES=64K"
+
+
 def _checks(rank, world):
     """Case.check on each op and backend: right when the call runs, wrong when it does not."""
     from oneccl_bind_pt import bench
@@ -93,10 +108,13 @@ def _checks(rank, world):
         def call(self, backend):
             return lambda *args: None  # the call does nothing: the buffers keep their inputs
 
-    groups = bench.make_groups(world, bench.BACKENDS)
-    verdicts = {}
+    backends = [*bench.BACKENDS, CHUNK_COLUMN]
+    groups = bench.make_groups(world, backends)
+    # The column's group was made with its variable, the default group without.
+    verdicts = {"chunks": [g._get_backend(torch.device("cpu"))._staging_chunk()
+                           for g in (groups["ccl"], groups[CHUNK_COLUMN])]}
     for op in bench.OPS:
-        for backend in bench.BACKENDS:
+        for backend in backends:
             for kind in (bench.Case, Idle):
                 case = kind(op, torch.float32, 256, rank, world, groups)
                 verdicts[f"{op} {backend} {kind.__name__}"] = case.check(backend)
@@ -107,6 +125,8 @@ def test_the_correctness_check_can_fail():
     # The bench's `correct` column is each rank's Case.check; the job's verdict is the
     # lowest over ranks. A backend whose call did nothing must come out wrong on some rank.
     per_rank = run_ranks(_checks, 2)
+    for chunks in (v.pop("chunks") for v in per_rank):
+        assert chunks[0] != chunks[1] and chunks[1] == "64 KiB: ONECCL_BIND_PT_SHM_CHUNK_BYTES", chunks
     for name in per_rank[0]:
         verdicts = [v[name] for v in per_rank]
         if name.endswith(" Case"):

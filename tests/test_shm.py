@@ -55,6 +55,7 @@ def _paths(rank, world):
         "off": _backend(g)._path("allreduce", 4),
         "single_copy": pg._single_copy(),
         "helpers": int(_C.helpers().split()[1]),  # "helpers N (why)"
+        "chunk": pg._staging_chunk(),
     }
 
 
@@ -87,6 +88,8 @@ def test_paths_and_the_switch(setting):
            "off": set()}[setting]
     assert got["large"] == {name: "cma" if name in cma else "shm" for name in got["large"]}, got["large"]
     assert got["single_copy"] == ("off: ONECCL_BIND_PT_SHM_SINGLE_COPY=0" if setting == "off" else "on")
+    start, crowded = _expected_chunk(got["helpers"], 2)
+    assert got["chunk"].startswith(start) and (crowded in got["chunk"] if crowded else ";" not in got["chunk"]), got
 
 
 def _crossover(rank, world):
@@ -111,8 +114,27 @@ def _l2_bytes():
     return int(out) if out.lstrip("-").isdigit() else 0
 
 
+def _cpus():
+    """The CPUs this process may run on: its affinity, and a cgroup v2 CPU quota if lower."""
+    n = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+def _expected_chunk(helpers, ranks):
+    """What `_staging_chunk()` starts with on a group of `ranks` on this host given no variable
+    (docs/shared-memory.md): an eighth of the L2 cache, 128-512 KiB, per thread, at most 2 MiB;
+    and where the ranks outnumber the CPUs, single copy's reduce windows are the whole buffer."""
+    crowded = "; single copy's reduce windows 2048 KiB: the whole buffer: "
+    return f"{_expected_chunk_kib(helpers)} KiB: ", crowded if ranks > _cpus() else None
+
+
 def _expected_chunk_kib(helpers):
-    # docs/shared-memory.md: an eighth of the L2 cache, 128-512 KiB, per thread; at most 2 MiB.
     l2 = _l2_bytes()
     per = 256 if l2 <= 0 else next(k for k in (512, 256, 128) if k == 128 or k * 1024 <= l2 // 8)
     return min(2048, per * (helpers + 1))
@@ -165,7 +187,8 @@ def _closed_forms(rank, world, g):
 def test_the_staging_chunk_is_the_l2_rule_and_a_group_takes_its_smallest():
     got = run_ranks(_chunks, 3, ["", "128K", "64K"], env=TRANSPORTS["shm"], timeout=300)
     for rank, (default, groups, helpers) in enumerate(got):
-        assert default.startswith(f"{_expected_chunk_kib(helpers)} KiB: "), (rank, default)
+        start, crowded = _expected_chunk(helpers, 3)
+        assert default.startswith(start) and (crowded in default if crowded else ";" not in default), (rank, default)
         for name, (agreed, problems) in groups.items():
             assert not problems, f"rank {rank}, {name}: {problems}"
             if rank == 2:

@@ -123,6 +123,8 @@ def column(name):
     if name.startswith("ccl:") and eq and var in GROUP_VARS and value:
         return Column(group_env={var: value})
     return None
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRESETS = {
     # The comparison the README quotes: a few sizes, every op, under 3 minutes.
@@ -704,7 +706,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.ops = args.ops.split(",")
     args.dtypes = args.dtypes.split(",")
-    args.backends = args.backends.split(",")
+    args.backends = list(dict.fromkeys(args.backends.split(",")))  # one group per column
     if args.preset:
         preset = PRESETS[args.preset]
         args.ops, args.dtypes, args.sizes = preset["ops"], preset["dtypes"], preset["sizes"]

@@ -88,8 +88,7 @@ def test_paths_and_the_switch(setting):
            "off": set()}[setting]
     assert got["large"] == {name: "cma" if name in cma else "shm" for name in got["large"]}, got["large"]
     assert got["single_copy"] == ("off: ONECCL_BIND_PT_SHM_SINGLE_COPY=0" if setting == "off" else "on")
-    start, crowded = _expected_chunk(got["helpers"], 2)
-    assert got["chunk"].startswith(start) and (crowded in got["chunk"] if crowded else ";" not in got["chunk"]), got
+    assert got["chunk"].startswith(f"{_expected_chunk_kib(got['helpers'])} KiB: "), got["chunk"]
 
 
 def _crossover(rank, world):
@@ -114,24 +113,9 @@ def _l2_bytes():
     return int(out) if out.lstrip("-").isdigit() else 0
 
 
-def _cpus():
-    """The CPUs this process may run on: its affinity, and a cgroup v2 CPU quota if lower."""
-    n = len(os.sched_getaffinity(0))
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        if quota != "max":
-            n = min(n, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return n
-
-
-def _expected_chunk(helpers, ranks):
-    """What `_staging_chunk()` starts with on a group of `ranks` on this host given no variable
-    (docs/shared-memory.md): an eighth of the L2 cache, 128-512 KiB, per thread, at most 2 MiB;
-    and where the ranks outnumber the CPUs, single copy's reduce windows are the whole buffer."""
-    crowded = "; single copy's reduce windows 2048 KiB: the whole buffer: "
-    return f"{_expected_chunk_kib(helpers)} KiB: ", crowded if ranks > _cpus() else None
+# Where a host's ranks outnumber its CPUs, single copy's reduce windows are the whole buffer
+# and _staging_chunk() says so after the chunk.
+CROWDED = "; single copy's reduce windows 2048 KiB: the whole buffer: "
 
 
 def _expected_chunk_kib(helpers):
@@ -144,11 +128,21 @@ def _chunks(rank, world, by_rank):
     from oneccl_bind_pt import _C
 
     default = _backend()._staging_chunk()
+    got = {}
+    # Each group reads this rank's variables when made. First every rank crowded, whatever
+    # this host has: more local ranks (CCL_LOCAL_SIZE, which the package set for the first
+    # group and which each group reads again) than the CPUs of its affinity.
+    local = os.environ["CCL_LOCAL_SIZE"]
+    os.environ["CCL_LOCAL_SIZE"] = str(len(os.sched_getaffinity(0)) + 1)
+    os.environ.update(SINGLE_COPY["from-256K"])
+    g = dist.new_group(list(range(world)))
+    got["crowded"] = (_backend(g)._staging_chunk(), _closed_forms(rank, world, g))
+    if rank != 0:
+        os.environ["CCL_LOCAL_SIZE"] = local  # rank 0 stays crowded: its windows differ from the others'
     if by_rank[rank]:
         os.environ["ONECCL_BIND_PT_SHM_CHUNK_BYTES"] = by_rank[rank]
-    got = {}
-    # Two groups, each reading this rank's variables when made: every step staged, then
-    # single copy from 256 KiB (reduce_scatter reads its peers in windows of the chunk).
+    # Then every step staged, and single copy from 256 KiB (reduce_scatter reads its peers
+    # in windows: rank 0's whole buffer, the others' chunk; the group must take one).
     for name, variables in (("staged", SINGLE_COPY["off"]), ("single copy", SINGLE_COPY["from-256K"])):
         os.environ.pop("ONECCL_BIND_PT_SHM_SINGLE_COPY", None)
         os.environ.update(variables)
@@ -187,8 +181,11 @@ def _closed_forms(rank, world, g):
 def test_the_staging_chunk_is_the_l2_rule_and_a_group_takes_its_smallest():
     got = run_ranks(_chunks, 3, ["", "128K", "64K"], env=TRANSPORTS["shm"], timeout=300)
     for rank, (default, groups, helpers) in enumerate(got):
-        start, crowded = _expected_chunk(helpers, 3)
-        assert default.startswith(start) and (crowded in default if crowded else ";" not in default), (rank, default)
+        assert default.startswith(f"{_expected_chunk_kib(helpers)} KiB: "), (rank, default)
+        crowded, problems = groups.pop("crowded")
+        kib = _expected_chunk_kib(helpers)  # named after the chunk when they differ
+        assert crowded.startswith(f"{kib} KiB: ") and (CROWDED in crowded) == (kib < 2048), (rank, crowded)
+        assert not problems, f"rank {rank}, crowded: {problems}"
         for name, (agreed, problems) in groups.items():
             assert not problems, f"rank {rank}, {name}: {problems}"
             if rank == 2:

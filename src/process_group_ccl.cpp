@@ -7,6 +7,7 @@
 #include "kernels.hpp"
 #include "ops.hpp"
 #include "reduce_ops.hpp"
+#include "rendezvous.hpp"
 #include "shm.hpp"
 #include "tensor_bytes.hpp"
 
@@ -19,6 +20,34 @@
 
 namespace oneccl_bind_pt {
 
+namespace {
+
+std::shared_ptr<Communicator> checked_communicator(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout) {
+  // This rank's own choices first: an unknown ONECCL_BIND_PT_KERNELS/_COPY/_HELPERS, a bad
+  // ONECCL_BIND_PT_SHM_CHUNK_BYTES or oneCCL failing to initialize raises here, before the
+  // rendezvous, not later inside a collective. The other ranks are told, so that a mistake
+  // on one rank fails them all at once rather than after the group's timeout.
+  try {
+    kernels();
+    helper_plan();
+    ShmLimits::from_env();
+    ensure_ccl_initialized();
+  } catch (const c10::Error& e) {
+    announce_failure(store, rank, e.what_without_backtrace());
+    throw;
+  } catch (const std::exception& e) {
+    announce_failure(store, rank, e.what());
+    throw;
+  }
+  return std::make_shared<Communicator>(store, rank, size, timeout);
+}
+
+} // namespace
+
 ProcessGroupCCL::ProcessGroupCCL(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
@@ -26,11 +55,7 @@ ProcessGroupCCL::ProcessGroupCCL(
     std::chrono::milliseconds timeout)
     : c10d::Backend(rank, size),
       store_(store),
-      // The kernel, helper and staging choices first: an unknown ONECCL_BIND_PT_KERNELS/_COPY/
-      // _HELPERS or a bad ONECCL_BIND_PT_SHM_CHUNK_BYTES raises here, before the rendezvous,
-      // not later inside a collective or while peers wait in the segment exchange.
-      comm_((kernels(), helper_plan(), ShmLimits::from_env(),
-             std::make_shared<Communicator>(store, rank, size, timeout))),
+      comm_(checked_communicator(store, rank, size, timeout)),
       timeout_(timeout) {}
 
 ProcessGroupCCL::~ProcessGroupCCL() = default;

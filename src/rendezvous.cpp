@@ -15,6 +15,8 @@ namespace {
 constexpr const char* kAddressKey = "oneccl/kvs_address";
 constexpr const char* kArrivedCounter = "oneccl/arrived";
 constexpr const char* kAllArrivedKey = "oneccl/all_arrived";
+// kAllArrivedKey's value when a rank announced a failure, before its reason.
+constexpr const char* kFailedMark = "failed: ";
 
 std::string arrived_key(int rank) {
   return "oneccl/arrived/" + std::to_string(rank);
@@ -82,6 +84,18 @@ Rendezvous rendezvous(
          "and none may have exited.");
   }
 
+  // The arrival mark, and the address (rank 0 has its own), in one round trip.
+  std::vector<std::string> marks{kAllArrivedKey};
+  if (rank != 0) {
+    marks.push_back(kAddressKey);
+  }
+  const auto marked = store->multiGet(marks);
+  const std::string mark(marked[0].begin(), marked[0].end());
+  if (mark.rfind(kFailedMark, 0) == 0) {
+    fail(mark.substr(std::char_traits<char>::length(kFailedMark)) + " (rank " + std::to_string(rank) +
+         " gives up on this process group with it)");
+  }
+
   // One round trip for all of them: a host may hold a hundred ranks.
   std::vector<std::string> slots;
   const int64_t on_host = store->add(host_key, 0);
@@ -96,7 +110,7 @@ Rendezvous rendezvous(
   }
 
   if (rank != 0) {
-    auto bytes = store->get(kAddressKey);
+    const auto& bytes = marked[1];
     ccl::kvs::address_type address{};
     TORCH_CHECK(
         bytes.size() == address.size(), "ccl rendezvous: KVS address has ",
@@ -111,6 +125,21 @@ Rendezvous rendezvous(
     }
   }
   return {std::move(kvs), std::move(host_peers)};
+}
+
+void announce_failure(const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::string& why) {
+  // In place of the mark the last arrival sets. The arrival counter cannot
+  // reach the group's size without this rank, so no other rank overwrites it.
+  const std::string text = kFailedMark + std::string("rank ") + std::to_string(rank) +
+      " could not create its side of this process group: " + why;
+  try {
+    store->set(kAllArrivedKey, std::vector<uint8_t>(text.begin(), text.end()));
+    if (rank == 0) {
+      store->set(kAddressKey, std::vector<uint8_t>{}); // the others wait for it too
+    }
+  } catch (...) {
+    // The store may be unreachable as well: the caller's own error is what matters.
+  }
 }
 
 std::vector<std::string> exchange(

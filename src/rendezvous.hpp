@@ -23,13 +23,20 @@ struct Rendezvous {
 };
 
 // Returns once every rank of the group has arrived; throws DistBackendError
-// naming the missing ranks on timeout. `host` names this rank's host.
+// naming the missing ranks on timeout, or the rank that announced a failure. `host` names this rank's host.
 Rendezvous rendezvous(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
     std::chrono::milliseconds timeout,
     const std::string& host);
+
+// Called by a rank whose own checks failed before the rendezvous (a bad
+// environment variable, oneCCL not initializing): the others, waiting in
+// rendezvous() or arriving later, raise at once with `why` and this rank's
+// number instead of waiting out the group's timeout. Best effort: it never
+// throws, since the caller is about to raise its own error.
+void announce_failure(const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::string& why);
 
 // Every rank contributes `mine` under `key`; returns all ranks' values, by
 // rank. Throws DistBackendError naming the missing ranks on timeout.

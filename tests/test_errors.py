@@ -1,6 +1,7 @@
 """Bad input raises a Python error naming the op and the problem; the group
 stays usable. A collective that cannot complete raises at the group timeout."""
 
+import datetime
 import os
 import re
 import select
@@ -283,6 +284,49 @@ def _outlives_rank_0(rank, world):
 # a rank that returns its result and then dies.
 def test_survivor_destroys_its_group_after_rank_0_exited(transport):
     assert run_ranks(_outlives_rank_0, 2, pg_timeout=2, env=TRANSPORTS[transport]) == ["timed out", "outlived"]
+
+
+def _one_rank_misconfigured(rank, world):
+    """Rank 1, then rank 0 (who hosts oneCCL's key-value store), alone sets a bad staging
+    chunk and every rank creates a group. Returns what each creation raised, and how long
+    it took, on each rank."""
+    outcomes = []
+    for bad in (1, 0):
+        if rank == bad:
+            os.environ["ONECCL_BIND_PT_SHM_CHUNK_BYTES"] = "abc"
+        start = time.monotonic()
+        try:
+            dist.new_group(backend="ccl", timeout=datetime.timedelta(seconds=60))
+            outcomes.append(("created", 0.0))
+        except (ValueError, dist.DistBackendError) as e:
+            outcomes.append((f"{type(e).__name__}: {str(e).splitlines()[0]}", time.monotonic() - start))
+        finally:
+            os.environ.pop("ONECCL_BIND_PT_SHM_CHUNK_BYTES", None)
+    # Both groups failed on every rank alike, so the next one is the same group everywhere.
+    group = dist.new_group(backend="ccl")
+    for g in (group, None):
+        x = torch.full((5,), float(rank + 1))
+        dist.all_reduce(x, group=g)
+        assert x.tolist() == [float(sum(range(1, world + 1)))] * 5, x
+    return outcomes
+
+
+# A setting one rank alone gets wrong fails every rank's group creation at once, each
+# saying which rank and why; without the announcement its peers waited out the timeout.
+def test_a_bad_setting_on_one_rank_fails_every_rank_at_once(transport):
+    by_rank = run_ranks(_one_rank_misconfigured, 3, env=TRANSPORTS[transport], timeout=300)
+    bad_value = "ONECCL_BIND_PT_SHM_CHUNK_BYTES=abc is not a size from 64K to 2M"
+    for case, bad in enumerate((1, 0)):
+        for rank in range(3):
+            outcome, waited = by_rank[rank][case]
+            if rank == bad:
+                assert outcome.startswith("ValueError: " + bad_value), (rank, outcome)
+            else:
+                assert outcome.startswith(f"DistBackendError: ccl rendezvous: rank {bad} could not create its "
+                                          f"side of this process group: {bad_value}"), (rank, outcome)
+                assert outcome.endswith(f"(rank {rank} gives up on this process group with it)"), (rank, outcome)
+            # The group timeout is 60 s.
+            assert waited < 30, f"rank {rank} took {waited:.0f} s to fail when rank {bad} was misconfigured"
 
 
 def _dense_layouts(rank, world):

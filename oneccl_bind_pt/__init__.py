@@ -84,7 +84,11 @@ _defaults_applied = False
 def _create_backend(store, rank, size, timeout):
     global _defaults_applied
     if not _defaults_applied:
-        _apply_ccl_defaults(store, rank, size)
+        try:
+            _apply_ccl_defaults(store, rank, size)
+        except Exception as e:  # a bad ONECCL_BIND_PT_WORKERS: fail the other ranks at once too
+            _C._announce_failure(store, rank, str(e))
+            raise
         _defaults_applied = True
         # DeepSpeed imports us from inside its own comm module, before that module
         # has defined what the fix patches; by now it has.

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <condition_variable>
+#include <system_error>
 #include <thread>
 
 namespace oneccl_bind_pt {
@@ -73,6 +74,98 @@ bool kvs_answers(ccl::kvs& kvs, int rank) {
   }
 }
 
+// oneCCL's communicator creation waits in its key-value store's barrier for every
+// rank, with no time limit: a rank that failed after the rendezvous (or died) would
+// keep the others there for good. So it runs on a thread of its own while this one
+// watches the group's deadline and the store for a peer's announced failure; on
+// either, this rank raises and leaves that thread, and what it makes, behind.
+ccl::communicator create_communicator(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout,
+    const std::shared_ptr<ccl::kvs>& kvs) {
+  struct Creation {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+    bool abandoned = false;
+    std::optional<ccl::communicator> comm;
+    std::string error;
+  };
+  auto c = std::make_shared<Creation>();
+  auto create = [c, rank, size, kvs] {
+    std::optional<ccl::communicator> comm;
+    std::string error;
+    try {
+      comm.emplace(ccl::create_communicator(size, rank, kvs));
+    } catch (const std::exception& e) {
+      error = e.what();
+    } catch (...) {
+      error = "an unknown exception";
+    }
+    std::lock_guard<std::mutex> lock(c->mutex);
+    if (c->abandoned && comm) {
+      // Its peers are gone or failed: tearing it down would call on them (the teardown
+      // that aborts the process, see kvs_answers). Left to the end of the process.
+      new ccl::communicator(std::move(*comm));
+      new std::shared_ptr<ccl::kvs>(kvs);
+    } else {
+      c->comm = std::move(comm);
+      c->error = std::move(error);
+    }
+    c->done = true;
+    c->cv.notify_all();
+  };
+  try {
+    std::thread(create).detach();
+  } catch (const std::system_error&) {
+    create(); // no thread to be had (a pids limit): unwatched, as oneCCL makes it
+  }
+  const std::string who = "ccl: creating the oneCCL communicator (rank " + std::to_string(rank) + " of " +
+      std::to_string(size) + ")";
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto look = std::chrono::milliseconds(50); // between looks at the store: up to 1 s, for large groups
+  std::unique_lock<std::mutex> lock(c->mutex);
+  while (!c->cv.wait_for(lock, look, [&] { return c->done; })) {
+    lock.unlock();
+    std::string failed = announced_failure(store);
+    const bool late = std::chrono::steady_clock::now() >= deadline;
+    lock.lock();
+    if (c->done) {
+      break;
+    }
+    if (!failed.empty() || late) {
+      c->abandoned = true;
+      lock.unlock();
+      if (failed.empty()) {
+        // Those still waiting should not find out later, from a straggler, that this rank left.
+        announce_failure(store, rank, "it gave up waiting for oneCCL's communicator after " +
+                                          std::to_string(timeout.count()) + " ms");
+      }
+      C10_THROW_ERROR(
+          DistBackendError,
+          failed.empty() ? who + " did not complete within " + std::to_string(timeout.count()) +
+                  " ms: a rank of the group may have died, or be unable to reach the others "
+                  "(CCL_KVS_IFACE / FI_TCP_IFACE choose the network interface)"
+                         : who + ": " + failed + " (rank " + std::to_string(rank) +
+                  " gives up on this process group with it)");
+    }
+    look = std::min<std::chrono::milliseconds>(look * 2, std::chrono::milliseconds(1000));
+  }
+  if (!c->comm) {
+    lock.unlock();
+    // A peer that failed first is the cause: its leaving can make this rank's creation fail too.
+    if (const std::string failed = announced_failure(store); !failed.empty()) {
+      C10_THROW_ERROR(DistBackendError, who + " failed (" + c->error + "): " + failed + " (rank " +
+                                            std::to_string(rank) + " gives up on this process group with it)");
+    }
+    announce_failure(store, rank, "creating its oneCCL communicator failed: " + c->error);
+    C10_THROW_ERROR(DistBackendError, who + " failed: " + c->error);
+  }
+  return std::move(*c->comm);
+}
+
 } // namespace
 
 Communicator::Communicator(
@@ -88,14 +181,7 @@ Communicator::Communicator(
   auto met = rendezvous(store, rank, size, timeout, host_identity());
   kvs_ = std::move(met.kvs);
   host_peers_ = std::move(met.host_peers);
-  try {
-    comm_.emplace(ccl::create_communicator(size, rank, kvs_));
-  } catch (const ccl::exception& e) {
-    C10_THROW_ERROR(
-        DistBackendError,
-        std::string("ccl: creating the oneCCL communicator (rank ") + std::to_string(rank) +
-            " of " + std::to_string(size) + ") failed: " + e.what());
-  }
+  comm_.emplace(create_communicator(store, rank, size, timeout, kvs_));
   ccl_ = std::make_unique<CclTransport>(*comm_, [this] { return broken() ? broken_reason() : std::string(); });
   shm_ = Shm::connect(store, rank, size, timeout, ccl_.get());
 }
@@ -301,9 +387,14 @@ void Communicator::completed(uint64_t key) const {
   if (!has_hooks_.load(std::memory_order_acquire)) {
     return;
   }
+  // Under the lock: once unregistered, a hook is not running and will not run.
   std::lock_guard<std::mutex> lock(hooks_mutex_);
   for (const auto& entry : hooks_) {
-    entry.second(key);
+    try {
+      entry.second(key);
+    } catch (...) {
+      // A hook's failure is not the op's: the op completed (and a Work's completion must not throw).
+    }
   }
 }
 
@@ -343,28 +434,40 @@ void Communicator::run_abort_hooks() {
     std::lock_guard<std::mutex> lock(all.mutex);
     ++all.running;
   }
-  std::thread([hooks = std::move(hooks), run] {
-    for (const auto& entry : hooks) {
-      try {
-        entry.second();
-      } catch (const std::exception& e) {
-        TORCH_WARN("ccl: abort hook ", entry.first, " raised (ignored; the group's error follows): ", e.what());
-      } catch (...) {
-        TORCH_WARN("ccl: abort hook ", entry.first, " raised (ignored; the group's error follows)");
+  std::thread hook_thread;
+  try {
+    hook_thread = std::thread([hooks = std::move(hooks), run] {
+      for (const auto& entry : hooks) {
+        try {
+          entry.second();
+        } catch (const std::exception& e) {
+          TORCH_WARN("ccl: abort hook ", entry.first, " raised (ignored; the group's error follows): ", e.what());
+        } catch (...) {
+          TORCH_WARN("ccl: abort hook ", entry.first, " raised (ignored; the group's error follows)");
+        }
       }
-    }
-    {
-      std::lock_guard<std::mutex> lock(run->mutex);
-      run->done = true;
-    }
-    run->cv.notify_all();
-    auto& all = hooks_in_flight();
+      {
+        std::lock_guard<std::mutex> lock(run->mutex);
+        run->done = true;
+      }
+      run->cv.notify_all();
+      auto& all = hooks_in_flight();
+      {
+        std::lock_guard<std::mutex> lock(all.mutex);
+        --all.running;
+      }
+      all.cv.notify_all();
+    });
+  } catch (const std::system_error& e) {
     {
       std::lock_guard<std::mutex> lock(all.mutex);
       --all.running;
     }
     all.cv.notify_all();
-  }).detach();
+    TORCH_WARN("ccl: the group's abort hooks were not run: no thread could be started for them (", e.what(), ")");
+    return;
+  }
+  hook_thread.detach();
   std::unique_lock<std::mutex> lock(run->mutex);
   run->cv.wait_for(lock, kHookWait, [&] { return run->done; });
 }

@@ -5,6 +5,7 @@
 #include "kernels.hpp"
 #include "process_group_ccl.hpp"
 #include "raw.hpp"
+#include "rendezvous.hpp"
 #include "work.hpp"
 
 #include <pybind11/chrono.h>
@@ -109,6 +110,15 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>(),
       "Waits for abort hooks still running (at most 15 s) and unlinks libfabric's /dev/shm "
       "segments of this process (at a multiprocessing child's exit).");
+  m.def(
+      "_announce_failure",
+      &oneccl_bind_pt::announce_failure,
+      py::arg("store"),
+      py::arg("rank"),
+      py::arg("why"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Tells the other ranks creating a group on `store` that this rank cannot, and why: they "
+      "raise at once instead of waiting out the group's timeout.");
   m.def(
       "_time_raw_oneccl",
       &oneccl_bind_pt::time_raw_oneccl,

@@ -17,6 +17,8 @@ constexpr const char* kArrivedCounter = "oneccl/arrived";
 constexpr const char* kAllArrivedKey = "oneccl/all_arrived";
 // kAllArrivedKey's value when a rank announced a failure, before its reason.
 constexpr const char* kFailedMark = "failed: ";
+// The same reason, for ranks already past the rendezvous (announced_failure).
+constexpr const char* kFailedKey = "oneccl/failed";
 
 std::string arrived_key(int rank) {
   return "oneccl/arrived/" + std::to_string(rank);
@@ -59,8 +61,10 @@ Rendezvous rendezvous(
       store->set(kAddressKey, std::vector<uint8_t>(address.begin(), address.end()));
     }
   } catch (const ccl::exception& e) {
-    fail(std::string("rank 0 could not open oneCCL's key-value store: ") + e.what() +
-         " (CCL_KVS_IFACE / CCL_KVS_IP_EXCHANGE choose its network interface)");
+    const std::string why = std::string("rank 0 could not open oneCCL's key-value store: ") + e.what() +
+        " (CCL_KVS_IFACE / CCL_KVS_IP_EXCHANGE choose its network interface)";
+    announce_failure(store, rank, why);
+    fail(why);
   }
 
   // Everybody announces itself, so a timeout can say who never came, and
@@ -110,36 +114,59 @@ Rendezvous rendezvous(
   }
 
   if (rank != 0) {
+    // From here a failure is announced: the others go on into oneCCL's communicator
+    // creation, which waits for every rank without a time limit (Communicator's constructor
+    // watches for the announcement).
     const auto& bytes = marked[1];
     ccl::kvs::address_type address{};
-    TORCH_CHECK(
-        bytes.size() == address.size(), "ccl rendezvous: KVS address has ",
-        bytes.size(), " bytes, expected ", address.size(),
-        " (ranks built against different oneCCL versions?)");
+    if (bytes.size() != address.size()) {
+      const std::string why = "oneCCL's key-value store address from rank 0 has " + std::to_string(bytes.size()) +
+          " bytes, expected " + std::to_string(address.size()) + " (ranks built against different oneCCL versions?)";
+      announce_failure(store, rank, why);
+      fail("rank " + std::to_string(rank) + ": " + why);
+    }
     std::copy(bytes.begin(), bytes.end(), reinterpret_cast<uint8_t*>(address.data()));
     try {
       kvs = ccl::create_kvs(address);
     } catch (const ccl::exception& e) {
-      fail(std::string("rank ") + std::to_string(rank) +
-           " could not reach rank 0's oneCCL key-value store: " + e.what());
+      const std::string why = std::string("it could not reach rank 0's oneCCL key-value store: ") + e.what() +
+          " (CCL_KVS_IFACE / CCL_KVS_IP_EXCHANGE choose its network interface)";
+      announce_failure(store, rank, why);
+      fail("rank " + std::to_string(rank) + ": " + why);
     }
   }
   return {std::move(kvs), std::move(host_peers)};
 }
 
 void announce_failure(const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::string& why) {
-  // In place of the mark the last arrival sets. The arrival counter cannot
-  // reach the group's size without this rank, so no other rank overwrites it.
-  const std::string text = kFailedMark + std::string("rank ") + std::to_string(rank) +
-      " could not create its side of this process group: " + why;
+  const std::string mine = "rank " + std::to_string(rank) + " could not create its side of this process group: " + why;
   try {
-    store->set(kAllArrivedKey, std::vector<uint8_t>(text.begin(), text.end()));
-    if (rank == 0) {
+    // The first rank's reason stands: a failure can make others fail after it. For ranks past
+    // the rendezvous, first; then in place of the mark the last arrival sets, for those in it
+    // or still to come. Before this rank arrives the arrival counter cannot reach the group's
+    // size, so no other rank overwrites that; after, every rank has read it or reads the
+    // failure, which is as true.
+    const auto first = store->compareSet(kFailedKey, {}, std::vector<uint8_t>(mine.begin(), mine.end()));
+    const std::string mark = kFailedMark + std::string(first.begin(), first.end());
+    store->set(kAllArrivedKey, std::vector<uint8_t>(mark.begin(), mark.end()));
+    if (rank == 0 && !store->check({kAddressKey})) {
       store->set(kAddressKey, std::vector<uint8_t>{}); // the others wait for it too
     }
   } catch (...) {
     // The store may be unreachable as well: the caller's own error is what matters.
   }
+}
+
+std::string announced_failure(const c10::intrusive_ptr<c10d::Store>& store) {
+  try {
+    if (store->check({kFailedKey})) {
+      const auto bytes = store->get(kFailedKey);
+      return std::string(bytes.begin(), bytes.end());
+    }
+  } catch (...) {
+    // A store that cannot answer has announced nothing; the caller's deadline still holds.
+  }
+  return "";
 }
 
 std::vector<std::string> exchange(

@@ -31,12 +31,17 @@ Rendezvous rendezvous(
     std::chrono::milliseconds timeout,
     const std::string& host);
 
-// Called by a rank whose own checks failed before the rendezvous (a bad
-// environment variable, oneCCL not initializing): the others, waiting in
-// rendezvous() or arriving later, raise at once with `why` and this rank's
-// number instead of waiting out the group's timeout. Best effort: it never
-// throws, since the caller is about to raise its own error.
+// Called by a rank that cannot create its side of the group (a bad environment
+// variable, oneCCL failing to initialize or to reach rank 0, its communicator not
+// created): the others, in rendezvous() or arriving later, raise at once with `why`
+// and this rank's number, and those past it see it through announced_failure(),
+// instead of waiting out the group's timeout. Best effort: it never throws, since
+// the caller is about to raise its own error.
 void announce_failure(const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::string& why);
+
+// "rank R could not create its side of this process group: <why>" once a rank of
+// the group announced it, else "". Never throws.
+std::string announced_failure(const c10::intrusive_ptr<c10d::Store>& store);
 
 // Every rank contributes `mine` under `key`; returns all ranks' values, by
 // rank. Throws DistBackendError naming the missing ranks on timeout.

@@ -124,11 +124,22 @@ std::unique_ptr<Shm> Shm::connect(
     int size,
     std::chrono::milliseconds timeout,
     Transport* fallback) {
-  if (!shm_enabled() || size < 2 || size > kMaxRanks) {
+  if (size < 2 || size > kMaxRanks) {
     return nullptr;
   }
-  // 1. Same host? Every rank sees every identity, so all decide alike.
-  const auto hosts = exchange(store, "oneccl/shm/host", host_identity(), rank, size, timeout);
+  // 1. Same host, and shared memory on? Every rank sees every identity, so all decide
+  // alike. A rank with ONECCL_BIND_PT_SHM=0 joins too, so that the setting on some ranks
+  // only sends the whole group to oneCCL instead of leaving the others waiting here.
+  const bool on = shm_enabled();
+  const auto hosts = exchange(store, "oneccl/shm/host", on ? host_identity() : "off", rank, size, timeout);
+  if (!on) {
+    return nullptr;
+  }
+  if (const auto off = std::find(hosts.begin(), hosts.end(), "off"); off != hosts.end()) {
+    TORCH_WARN_ONCE("ccl: rank ", off - hosts.begin(), " has ONECCL_BIND_PT_SHM=0 and this rank has not: "
+                    "this process group's collectives run through oneCCL on all its ranks");
+    return nullptr;
+  }
   if (std::any_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return h != hosts[0]; })) {
     return nullptr;
   }

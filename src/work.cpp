@@ -166,18 +166,24 @@ bool WorkCCL::poll_locked(Clock::time_point now) {
   return false;
 }
 
+// Nothing here may throw: the Work is out of Progress's list, and one left without
+// done_ would be waited on for good.
 void WorkCCL::complete() {
   if (broke_group_) {
-    if (!timed_out_.empty()) {
-      // Which peers did not time out with us (the group's store; outside Progress's lock,
-      // since it waits for them).
-      const std::string roll = comm_->roll_call();
-      comm_->explain_break(roll);
-      error_ = backend_error(timed_out_ + roll);
+    try {
+      if (!timed_out_.empty()) {
+        // Which peers did not time out with us (the group's store; outside Progress's lock,
+        // since it waits for them).
+        const std::string roll = comm_->roll_call();
+        comm_->explain_break(roll);
+        error_ = backend_error(timed_out_ + roll);
+      }
+      // Outside Progress's lock, before any waiter sees the error: a hook may
+      // take the GIL (a Python one) or read the group's state for a dump.
+      comm_->run_abort_hooks();
+    } catch (...) {
+      // (No thread for a hook, a store that cannot answer): the op's own error stands.
     }
-    // Outside Progress's lock, before any waiter sees the error: a hook may
-    // take the GIL (a Python one) or read the group's state for a dump.
-    comm_->run_abort_hooks();
   }
   std::exception_ptr error = error_;
   if (!error && on_success) {
@@ -195,7 +201,11 @@ void WorkCCL::complete() {
     buffers.clear();
   }
   if (end_backend_event_) {
-    end_backend_event_();
+    try {
+      end_backend_event_();
+    } catch (...) {
+      // The profiler's record only.
+    }
     end_backend_event_ = nullptr;
   }
   finish(error);
@@ -239,7 +249,13 @@ bool WorkCCL::wait(std::chrono::milliseconds timeout) {
   auto& progress = Progress::get();
   const auto limit = timeout == kNoTimeout ? Clock::time_point::max() : Clock::now() + timeout;
   if (!done_.load(std::memory_order_acquire)) {
-    progress.waiters.fetch_add(1);
+    // Counted while here, however this returns: the background thread leaves Futures to
+    // waiters while there are any.
+    struct Waiting {
+      Progress& p;
+      explicit Waiting(Progress& p) : p(p) { p.waiters.fetch_add(1); }
+      ~Waiting() { p.waiter_left(); }
+    } waiting(progress);
     unsigned spins = 0;
     while (!done_.load(std::memory_order_acquire)) {
       progress.sweep();
@@ -247,7 +263,6 @@ bool WorkCCL::wait(std::chrono::milliseconds timeout) {
         break;
       }
       if (Clock::now() > limit) {
-        progress.waiter_left();
         C10_THROW_ERROR(
             DistBackendError,
             "ccl " + describe() + ": wait() timed out after " +
@@ -256,7 +271,6 @@ bool WorkCCL::wait(std::chrono::milliseconds timeout) {
       }
       relax(spins);
     }
-    progress.waiter_left();
   }
   if (auto e = exception()) {
     std::rethrow_exception(e);

@@ -307,10 +307,11 @@ def _context():
     return ctx
 
 
-def run_ranks(fn, world, *args, timeout=180, env=None, pg_timeout=60, backend="ccl"):
+def run_ranks(fn, world, *args, timeout=180, env=None, pg_timeout=60, backend="ccl", rank_env=None):
     """Runs fn(rank, world, *args) on `world` processes; returns the values by rank.
 
-    The default group uses `backend` (ccl unless a test wants gloo's answer).
+    The default group uses `backend` (ccl unless a test wants gloo's answer). `env` is added
+    to every rank's environment, and `rank_env` ({rank: {name: value}}) to some ranks' only.
 
     Raises RankFailure with every failing rank's traceback, or when a rank
     hangs past `timeout` seconds.
@@ -322,8 +323,8 @@ def run_ranks(fn, world, *args, timeout=180, env=None, pg_timeout=60, backend="c
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(fn, rank, world, store_path, results, args, {**os.environ, **(env or {})}, pg_timeout,
-                      backend),
+                args=(fn, rank, world, store_path, results, args,
+                      {**os.environ, **(env or {}), **(rank_env or {}).get(rank, {})}, pg_timeout, backend),
                 daemon=True,
             )
             for rank in range(world)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from harness import (TRANSPORTS, all_gather_single, announce, await_announcement, expect_transport,
+from harness import (TRANSPORTS, RankFailure, all_gather_single, announce, await_announcement, expect_transport,
                      reduce_scatter_single, run_ranks)
 from matrix import expect_error
 
@@ -327,6 +327,79 @@ def test_a_bad_setting_on_one_rank_fails_every_rank_at_once(transport):
                 assert outcome.endswith(f"(rank {rank} gives up on this process group with it)"), (rank, outcome)
             # The group timeout is 60 s.
             assert waited < 30, f"rank {rank} took {waited:.0f} s to fail when rank {bad} was misconfigured"
+
+
+def _never_runs(rank, world):
+    raise AssertionError("the group was created although one rank could not create its side")
+
+
+def _raised(text, rank):
+    """The last line of rank's traceback in a RankFailure: its exception."""
+    if f"rank {rank} raised:\n" not in text:
+        pytest.fail(f"rank {rank} did not raise:\n{text}")
+    part = text.split(f"rank {rank} raised:\n", 1)[1].split("\nrank ", 1)[0]
+    return part.strip().splitlines()[-1]
+
+
+# The same at init_process_group, a setting given to one rank by its launcher: read in Python
+# (ONECCL_BIND_PT_WORKERS), in C++ before the rendezvous (ONECCL_BIND_PT_HELPERS), or by oneCCL
+# after it (CCL_KVS_IFACE), where the others are already inside oneCCL's communicator creation,
+# which has no time limit of its own.
+@pytest.mark.parametrize("bad, variable, value, error, says, relayed", [
+    (1, "ONECCL_BIND_PT_WORKERS", "x", "ValueError",
+     "ONECCL_BIND_PT_WORKERS=x is not auto or a whole number from 0 to 64", None),
+    (0, "ONECCL_BIND_PT_HELPERS", "x", "ValueError", "ONECCL_BIND_PT_HELPERS=x is not a whole number from 0 to 64",
+     None),
+    (1, "CCL_KVS_IFACE", "nosuch0", "torch.distributed.DistBackendError",
+     "ccl: creating the oneCCL communicator (rank 1 of 2) failed: ", "creating its oneCCL communicator failed: "),
+], ids=["workers-python", "helpers-c++", "kvs-iface-oneccl"])
+def test_a_setting_one_rank_refuses_fails_init_on_every_rank_at_once(bad, variable, value, error, says, relayed):
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as caught:
+        run_ranks(_never_runs, 2, rank_env={bad: {variable: value}}, pg_timeout=60, timeout=150)
+    took = time.monotonic() - start
+    text = str(caught.value)
+    mine, theirs = _raised(text, bad), _raised(text, 1 - bad)
+    assert mine.startswith(error + ": ") and says in mine, text
+    assert theirs.startswith("torch.distributed.DistBackendError: ") and (
+        f"rank {bad} could not create its side of this process group: {relayed or says}") in theirs, text
+    assert took < 40, f"the ranks took {took:.0f} s to fail; the group timeout is 60 s"
+
+
+# ONECCL_BIND_PT_SHM=0 on one rank at the first group also gives oneCCL's own transport
+# (CCL_ATL_SHM) a different setting there: its communicator fails on one rank and the other,
+# inside oneCCL's creation, learns it (it waited without a time limit before).
+def test_shared_memory_off_on_one_rank_at_init_fails_every_rank_at_once():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as caught:
+        run_ranks(_never_runs, 2, rank_env={1: {"ONECCL_BIND_PT_SHM": "0"}}, pg_timeout=60, timeout=150)
+    took = time.monotonic() - start
+    text = str(caught.value)
+    said = [_raised(text, rank) for rank in range(2)]
+    assert all(s.startswith("torch.distributed.DistBackendError: ccl: creating the oneCCL communicator") for s in said), text
+    assert any("could not create its side of this process group: creating its oneCCL communicator failed" in s
+               for s in said), text
+    assert took < 40, f"the ranks took {took:.0f} s to fail; the group timeout is 60 s"
+
+
+def _one_rank_without_shm(rank, world):
+    if rank == 1:
+        os.environ["ONECCL_BIND_PT_SHM"] = "0"  # read at each group's creation
+    group = dist.new_group(backend="ccl")
+    x = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(x, group=group)
+    assert x.eq(3).all(), x
+    return group._get_backend(torch.device("cpu"))._path("allreduce", 4000)
+
+
+# ONECCL_BIND_PT_SHM=0 on one rank only, for a group made after the first: the whole group takes
+# oneCCL (the others waited out the timeout in the shared-memory exchange that rank skipped).
+# (At the first group the ranks would also give oneCCL different transports, CCL_ATL_SHM: its
+# communicator fails there, on every rank at once, as above.)
+def test_shared_memory_off_on_one_rank_sends_the_group_to_oneccl():
+    start = time.monotonic()
+    assert run_ranks(_one_rank_without_shm, 2, pg_timeout=60, timeout=150) == ["oneccl", "oneccl"]
+    assert time.monotonic() - start < 40
 
 
 def _dense_layouts(rank, world):

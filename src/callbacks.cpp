@@ -1,6 +1,10 @@
 #include "callbacks.hpp"
 
+#include <c10/util/Exception.h>
+
+#include <system_error>
 #include <thread>
+#include <vector>
 
 namespace oneccl_bind_pt {
 
@@ -49,17 +53,44 @@ void Callbacks::post(Lane lane, std::function<void()> job) {
     ready_.push_back(lane);
   }
   // An idle runner either takes the lane or watches it for a stuck job.
-  if (idle_ == 0) {
-    spawn_locked();
-  } else {
+  if (idle_ > 0) {
     cv_.notify_one();
+    return;
+  }
+  if (spawn_locked() || runners_ > 0) {
+    return; // a busy runner takes it once free
+  }
+  // No thread could be started and none runs (the process is at its thread limit):
+  // completions run here rather than never, in their lanes' order.
+  std::vector<std::function<void()>> jobs;
+  for (auto& entry : lanes_) {
+    for (auto& queued : entry.second.jobs) {
+      jobs.push_back(std::move(queued));
+    }
+    entry.second.jobs.clear();
+  }
+  ready_.clear();
+  lock.unlock();
+  for (auto& queued : jobs) {
+    try {
+      queued();
+    } catch (...) {
+      // As in runner_loop: a Future reports its callbacks' errors itself.
+    }
   }
 }
 
-void Callbacks::spawn_locked() {
-  ++runners_;
+bool Callbacks::spawn_locked() {
   const uint64_t id = next_runner_++;
-  std::thread([this, id] { runner_loop(id); }).detach();
+  try {
+    std::thread([this, id] { runner_loop(id); }).detach();
+  } catch (const std::system_error& e) {
+    TORCH_WARN_ONCE("ccl: no thread could be started for Future callbacks (", e.what(),
+                    "); they run on the thread that completes the op until one can");
+    return false;
+  }
+  ++runners_; // under mutex_, which the new runner takes first
+  return true;
 }
 
 bool Callbacks::rescue_stuck_locked() {

@@ -47,7 +47,8 @@ class Callbacks {
 
   Callbacks() = default;
   void runner_loop(uint64_t id);
-  void spawn_locked();
+  // False if no thread could be started.
+  bool spawn_locked();
   // Hands lanes whose runner is stuck to another runner; true if any lane
   // is being served with jobs waiting (the caller should look again soon).
   bool rescue_stuck_locked();

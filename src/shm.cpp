@@ -148,7 +148,16 @@ std::unique_ptr<Shm> Shm::connect(
 
   // 2. Our segment: anonymous, owner-only, sized up front (pages appear on first touch).
   std::string mine = "fail";
-  int fd = memfd_create("oneccl_bind_pt", MFD_CLOEXEC);
+  // Closed however this returns: an exchange that times out throws past step 5.
+  struct OwnFd {
+    int fd;
+    ~OwnFd() {
+      if (fd >= 0) {
+        close(fd);
+      }
+    }
+  } own{memfd_create("oneccl_bind_pt", MFD_CLOEXEC)};
+  const int fd = own.fd;
   if (fd >= 0 && fchmod(fd, 0600) == 0 && ftruncate(fd, static_cast<off_t>(total)) == 0) {
     void* base = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (base != MAP_FAILED) {
@@ -236,6 +245,7 @@ std::unique_ptr<Shm> Shm::connect(
       store, "oneccl/shm/mapped", problem.empty() ? "ok " + reads : problem, rank, size, timeout);
   if (fd >= 0) {
     close(fd);
+    own.fd = -1;
   }
   shm->single_copy_ = true;
   shm->single_copy_status_ = "on";

@@ -112,7 +112,16 @@ PYBIND11_MODULE(_C, m) {
       "segments of this process (at a multiprocessing child's exit).");
   m.def(
       "_announce_failure",
-      &oneccl_bind_pt::announce_failure,
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::string& why) {
+        // This creation's keys: the failing rank takes its number like the others.
+        c10::intrusive_ptr<c10d::Store> keys;
+        try {
+          keys = oneccl_bind_pt::creation_keys(store, rank);
+        } catch (...) {
+          return; // a store that cannot answer cannot carry the news either
+        }
+        oneccl_bind_pt::announce_failure(keys, rank, why);
+      },
       py::arg("store"),
       py::arg("rank"),
       py::arg("why"),

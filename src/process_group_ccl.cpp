@@ -54,8 +54,8 @@ ProcessGroupCCL::ProcessGroupCCL(
     int size,
     std::chrono::milliseconds timeout)
     : c10d::Backend(rank, size),
-      store_(store),
-      comm_(checked_communicator(store, rank, size, timeout)),
+      store_(creation_keys(store, rank)),
+      comm_(checked_communicator(store_, rank, size, timeout)),
       timeout_(timeout) {}
 
 ProcessGroupCCL::~ProcessGroupCCL() = default;

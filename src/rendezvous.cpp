@@ -1,6 +1,7 @@
 #include "rendezvous.hpp"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <sstream>
 #include <string>
@@ -45,6 +46,14 @@ std::string missing_ranks(c10d::Store& store, int size) {
 }
 
 } // namespace
+
+c10::intrusive_ptr<c10d::Store> creation_keys(const c10::intrusive_ptr<c10d::Store>& store, int rank) {
+  const int64_t n = store->add("oneccl/creations/" + std::to_string(rank), 1);
+  if (n == 1) {
+    return store;
+  }
+  return c10::make_intrusive<c10d::PrefixStore>("oneccl/creation/" + std::to_string(n), store);
+}
 
 Rendezvous rendezvous(
     const c10::intrusive_ptr<c10d::Store>& store,

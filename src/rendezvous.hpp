@@ -15,6 +15,19 @@
 
 namespace oneccl_bind_pt {
 
+// The store keys of this creation of a group. torch prefixes a group's store
+// with the group's name, and a name can come back: new_group(ranks,
+// use_local_synchronization=True) names a group after its ranks, so the same
+// ranks after destroy_process_group get the same keys, still holding the last
+// group's values (its arrival mark, its oneCCL address: measured, the second
+// group then lost shared memory and the third hung in oneCCL). So every
+// creation on a rank takes the next number from the store: the first uses
+// `store` itself, later ones keys of their own. The ranks of a group create
+// groups of one name in the same order (as torch requires of them), a rank
+// that fails takes its number too (announce_failure callers pass this), so
+// they agree. A fresh store starts again from the first.
+c10::intrusive_ptr<c10d::Store> creation_keys(const c10::intrusive_ptr<c10d::Store>& store, int rank);
+
 struct Rendezvous {
   std::shared_ptr<ccl::kvs> kvs; // this rank's handle on the group's oneCCL KVS
   // The pids of the group's other ranks on this host (`host`): read now, for

@@ -382,6 +382,33 @@ def test_shared_memory_off_on_one_rank_at_init_fails_every_rank_at_once():
     assert took < 40, f"the ranks took {took:.0f} s to fail; the group timeout is 60 s"
 
 
+def _peer_never_reaches_oneccl(rank, world):
+    """A group of 2 made by this one process, whose peer "arrives" at the rendezvous (its marks,
+    written here as that rank would) and then never takes part in oneCCL's communicator
+    creation, which waits for every rank with no time limit of its own: a peer that died or
+    hung right after the rendezvous, deterministically."""
+    store = dist.PrefixStore("lonely", dist.distributed_c10d._get_default_store())
+    store.set("oneccl/arrived/1", "elsewhere/1")
+    store.add("oneccl/arrived", 1)
+    start = time.monotonic()
+    try:
+        dist.ProcessGroupCCL(store, 0, 2, datetime.timedelta(seconds=4))
+    except dist.DistBackendError as e:
+        # What ranks still waiting read (a peer that comes late fails at once with it).
+        return str(e).splitlines()[0], time.monotonic() - start, store.get("oneccl/failed").decode()
+    raise AssertionError("a group was made with a rank that never took part")
+
+
+# The group's timeout bounds oneCCL's communicator creation: the rank leaves it behind (the thread
+# stays inside oneCCL), says why, tells the group, and its process still ends cleanly.
+def test_communicator_creation_gives_up_at_the_timeout():
+    said, took, told = run_ranks(_peer_never_reaches_oneccl, 1, timeout=120)[0]
+    assert said.startswith("ccl: creating the oneCCL communicator (rank 0 of 2) did not complete within 4000 ms"), said
+    assert 4 <= took < 15, took
+    assert told == "rank 0 could not create its side of this process group: it gave up waiting for oneCCL's " \
+                   "communicator after 4000 ms", told
+
+
 def _one_rank_without_shm(rank, world):
     if rank == 1:
         os.environ["ONECCL_BIND_PT_SHM"] = "0"  # read at each group's creation
@@ -400,6 +427,44 @@ def test_shared_memory_off_on_one_rank_sends_the_group_to_oneccl():
     start = time.monotonic()
     assert run_ranks(_one_rank_without_shm, 2, pg_timeout=60, timeout=150) == ["oneccl", "oneccl"]
     assert time.monotonic() - start < 40
+
+
+def _same_name_again(rank, world):
+    """Groups of one name, one after another: new_group(use_local_synchronization=True) names a
+    group after its ranks, so each gets the same store keys. Twice made and destroyed, once failed
+    (a bad setting on rank 1), then made again. Returns each try's outcome."""
+    outcomes = []
+    for attempt in range(4):
+        bad = attempt == 2 and rank == 1
+        if bad:
+            os.environ["ONECCL_BIND_PT_SHM_CHUNK_BYTES"] = "abc"
+        start = time.monotonic()
+        try:
+            group = dist.new_group([0, 1], use_local_synchronization=True, timeout=datetime.timedelta(seconds=60))
+        except (ValueError, dist.DistBackendError) as e:
+            outcomes.append(f"failed: {type(e).__name__}")
+            continue
+        finally:
+            os.environ.pop("ONECCL_BIND_PT_SHM_CHUNK_BYTES", None)
+            # The group timeout is 60 s: a try that reads the last group's keys waits it out, or hangs.
+            assert time.monotonic() - start < 30, f"try {attempt} took {time.monotonic() - start:.0f} s"
+        expect_transport(group)
+        x = torch.full((1000,), float(rank + 1 + attempt))
+        dist.all_reduce(x, group=group)
+        assert x.eq(3 + 2 * attempt).all(), (attempt, x)
+        dist.destroy_process_group(group)
+        outcomes.append("made")
+    return outcomes
+
+
+# A group made again under the name of one destroyed (or of one that failed) must not read the
+# last one's keys: before, the second lost shared memory (its peers' old segments) and the third
+# hung in oneCCL on the old key-value store's address.
+def test_a_group_made_again_under_the_same_name(transport):
+    outcomes = ["made", "made", "failed: {}", "made"]
+    by_rank = run_ranks(_same_name_again, 2, env=TRANSPORTS[transport], timeout=200)
+    assert by_rank[0] == [o.format("DistBackendError") for o in outcomes], by_rank
+    assert by_rank[1] == [o.format("ValueError") for o in outcomes], by_rank
 
 
 def _dense_layouts(rank, world):

@@ -59,6 +59,22 @@ def test_torchrun_ddp_example():
     nothing_of_oneccl(out)
 
 
+# Each init under torchrun uses the agent's store, and the default group is named "0" again after
+# each destroy: the same keys every time. Before, a later init read the last group's keys: it lost
+# shared memory (the old segments), or hung on the old oneCCL address. (gloo reads the last group's addresses there too: on torch 2.13 its second init fails
+# with "Gloo connectFullMesh failed ... Connection refused", so it cannot serve as the reference.)
+def test_torchrun_init_destroy_and_init_again():
+    backend = "ccl"
+    out = run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
+               "tests/scripts/init_again.py", backend])
+    rounds = re.findall(r"rank (\d) round (\d) sum (\S+) path (\S+) in ([\d.]+) s", out)
+    assert sorted((r, i) for r, i, *_ in rounds) == [(r, i) for r in "01" for i in "012"], out
+    for rank, round_, ok, path, took in rounds:
+        assert ok == "ok", out
+        assert path == ("shm" if backend == "ccl" else "-"), out
+        assert float(took) < 30, out  # the group timeout is 60 s
+
+
 def test_mpirun_ddp_example():
     out = run([BIN / "mpirun", "-n", "2", sys.executable, "examples/ddp.py"], env={"MASTER_PORT": str(free_port())})
     checksums(out, 2, ddp_reference(2))

@@ -1,7 +1,8 @@
 """PyTorch features built on c10d work on ccl as they do on gloo.
 
 DDP comm hooks whose Future callbacks issue and wait on collectives (PowerSGD),
-TORCH_DISTRIBUTED_DEBUG=DETAIL, and callbacks that wait on other Futures: each
+TORCH_DISTRIBUTED_DEBUG=DETAIL, callbacks that wait on other Futures, and functional
+collectives (eager and under torch.compile): each
 is run on ccl and on gloo with the same inputs, in the same processes.
 """
 
@@ -16,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness import announce, await_announcement, run_ranks
+from harness import TRANSPORTS, announce, await_announcement, expect_transport, run_ranks
 
 
 def _model():
@@ -187,3 +188,54 @@ def test_debug_detail_checks_collectives(monkeypatch, transport):
     env = {"ONECCL_BIND_PT_SHM": "0"} if transport == "oneccl" else None
     for got, want in zip(run_ranks(_detail_mode, 2, timeout=240, env=env), reference):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=1e-7)
+
+
+def _sizes(world, rank):
+    """Uneven all-to-all: what rank sends to each peer, and what it receives from each."""
+    send = [1 + (rank + 2 * q) % 3 for q in range(world)]
+    recv = [1 + (q + 2 * rank) % 3 for q in range(world)]
+    return send, recv
+
+
+def _functional_collectives(rank, world):
+    """torch's functional collectives (what tensor parallelism, DTensor and compiled code call),
+    eager and under torch.compile, on the ccl group and on a gloo group of the same processes."""
+    import torch.distributed._functional_collectives as funcol
+
+    expect_transport()
+    gloo = dist.new_group(backend="gloo")
+
+    def scaled_sum(t, group):
+        # Traced: the all_reduce becomes a graph node and its wait another.
+        return funcol.all_reduce(t * 2, "sum", group) + 1
+
+    results = {}
+    for name, group in (("ccl", dist.group.WORLD), ("gloo", gloo)):
+        x = torch.arange(12.0) + 10 * rank
+        send, recv = _sizes(world, rank)
+        uneven = torch.arange(float(sum(send))) + 100 * rank
+        compiled = torch.compile(scaled_sum, backend="aot_eager", fullgraph=True)
+        results[name] = {
+            "all_reduce sum": funcol.all_reduce(x, "sum", group),
+            "all_reduce max": funcol.all_reduce(x * (-1) ** rank, "max", group),
+            "all_gather": funcol.all_gather_tensor(x, 0, group),
+            "reduce_scatter": funcol.reduce_scatter_tensor(x * (rank + 1), "sum", 0, group),
+            "all_to_all": funcol.all_to_all_single(x, None, None, group),
+            "all_to_all uneven": funcol.all_to_all_single(uneven, recv, send, group),
+            "broadcast": funcol.broadcast(x, world - 1, group),
+            "compiled all_reduce": compiled(x, group),
+        }
+        results[name] = {op: t.wait() if hasattr(t, "wait") else t for op, t in results[name].items()}
+        results[name] = {op: t.tolist() for op, t in results[name].items()}
+    return results
+
+
+# Functional collectives reach the backend through other entry points than torch.distributed's
+# (allgather_into_tensor_coalesced, reduce_scatter_tensor_coalesced, alltoall_base with splits):
+# the same values as gloo's, eager and traced.
+@pytest.mark.parametrize("world", [2, 3])
+def test_functional_collectives_match_gloo(world, transport):
+    for rank, got in enumerate(run_ranks(_functional_collectives, world, env=TRANSPORTS[transport], timeout=300)):
+        assert got["ccl"] == got["gloo"], (rank, {op: (got["ccl"][op], got["gloo"][op]) for op in got["ccl"]
+                                                  if got["ccl"][op] != got["gloo"][op]})
+        assert len(got["ccl"]["all_gather"]) == 12 * world, got["ccl"]["all_gather"]

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include <iomanip>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -41,6 +42,13 @@ std::string missing_ranks(c10d::Store& store, int size) {
   return shown ? out.str() : std::string("none (they arrived just now)");
 }
 
+// "3.0", "1800.0": as torch and the Python side print a timeout.
+std::string seconds_text(std::chrono::milliseconds timeout) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1) << timeout.count() / 1000.0;
+  return out.str();
+}
+
 [[noreturn]] void fail(const std::string& what) {
   C10_THROW_ERROR(DistBackendError, "ccl rendezvous: " + what);
 }
@@ -61,7 +69,7 @@ Rendezvous rendezvous(
     int size,
     std::chrono::milliseconds timeout,
     const std::string& host) {
-  const auto seconds = std::to_string(timeout.count() / 1000.0);
+  const auto seconds = seconds_text(timeout);
   std::shared_ptr<ccl::kvs> kvs;
   try {
     if (rank == 0) {
@@ -90,9 +98,13 @@ Rendezvous rendezvous(
   try {
     store->wait({kAllArrivedKey, kAddressKey}, timeout);
   } catch (const c10::Error&) {
+    const std::string missing = missing_ranks(*store, size);
+    // A rank that comes later fails at once with this, rather than waiting out its own timeout
+    // inside oneCCL for a rank that has left.
+    announce_failure(store, rank, "it waited " + seconds + " s for the other ranks; missing ranks: " + missing);
     fail("rank " + std::to_string(rank) + " waited " + seconds +
          " s for the other ranks of this process group (size " + std::to_string(size) +
-         "); missing ranks: " + missing_ranks(*store, size) +
+         "); missing ranks: " + missing +
          ". Every rank must create the group (init_process_group / new_group) "
          "and none may have exited.");
   }
@@ -199,7 +211,7 @@ std::vector<std::string> exchange(
         missing << (missing.tellp() > 0 ? ", " : "") << r;
       }
     }
-    fail("rank " + std::to_string(rank) + " waited " + std::to_string(timeout.count() / 1000.0) +
+    fail("rank " + std::to_string(rank) + " waited " + seconds_text(timeout) +
          " s for the other ranks of this process group (" + key + "); missing ranks: " +
          missing.str() + ". Every rank must create the group and none may have exited.");
   }

@@ -77,7 +77,27 @@ def test_missing_rank_is_named_at_rendezvous(tmp_path):
               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     (out,) = communicate([p], 120)
     assert p.returncode == 3, out
-    assert "missing ranks: 1" in out, out
+    assert "ccl rendezvous: rank 0 waited 3.0 s for the other ranks of this process group (size 2); missing ranks: 1" \
+        in out, out
+
+
+# A rank that comes after the others gave up fails at once, saying so, rather than waiting out its
+# own timeout (60 s here) inside oneCCL's communicator creation for ranks that have left.
+def test_a_rank_that_comes_too_late_is_told_at_once(tmp_path):
+    outs = []
+    for rank, timeout in ((0, 3), (1, 60)):
+        # As a launcher starts them: the package's own first exchange (ranks per host) is skipped,
+        # so rank 0 waits in the backend's rendezvous, as for any later group.
+        env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
+        p = popen([sys.executable, "tests/scripts/lonely_rank.py", tmp_path / "store", rank, timeout], cwd=ROOT,
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        (out,) = communicate([p], 120)
+        assert p.returncode == 3, out
+        outs.append(out)
+    m = re.search(r"raised after ([\d.]+) s: (.*)", outs[1])
+    assert m and float(m.group(1)) < 20, outs[1]
+    assert "rank 0 could not create its side of this process group: it waited 3.0 s for the other ranks; " \
+           "missing ranks: 1" in m.group(2), outs[1]
 
 
 def _destroy_with_work_in_flight(rank, world):

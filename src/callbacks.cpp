@@ -61,22 +61,43 @@ void Callbacks::post(Lane lane, std::function<void()> job) {
     return; // a busy runner takes it once free
   }
   // No thread could be started and none runs (the process is at its thread limit):
-  // completions run here rather than never, in their lanes' order.
-  std::vector<std::function<void()>> jobs;
-  for (auto& entry : lanes_) {
-    for (auto& queued : entry.second.jobs) {
-      jobs.push_back(std::move(queued));
-    }
-    entry.second.jobs.clear();
+  // completions run on one thread at a time, in their lanes' order, rather than never.
+  // A job posted from inside one of them (a callback's own op) runs at once, as it would
+  // in its child lane; one posted meanwhile by another thread is left to the draining one.
+  const auto me = std::this_thread::get_id();
+  if (inline_thread_ != std::thread::id() && inline_thread_ != me) {
+    return;
   }
-  ready_.clear();
-  lock.unlock();
-  for (auto& queued : jobs) {
-    try {
-      queued();
-    } catch (...) {
-      // As in runner_loop: a Future reports its callbacks' errors itself.
+  const bool outermost = inline_thread_ == std::thread::id();
+  inline_thread_ = me;
+  while (true) {
+    std::vector<std::function<void()>> jobs;
+    for (auto it = lanes_.begin(); it != lanes_.end();) {
+      if (it->second.owner != 0) {
+        ++it; // a runner started since serves it
+        continue;
+      }
+      for (auto& queued : it->second.jobs) {
+        jobs.push_back(std::move(queued));
+      }
+      it = it->first != 0 ? lanes_.erase(it) : (it->second.jobs.clear(), std::next(it));
     }
+    if (jobs.empty()) {
+      break;
+    }
+    ready_.clear();
+    lock.unlock();
+    for (auto& queued : jobs) {
+      try {
+        queued();
+      } catch (...) {
+        // As in runner_loop: a Future reports its callbacks' errors itself.
+      }
+    }
+    lock.lock();
+  }
+  if (outermost) {
+    inline_thread_ = std::thread::id();
   }
 }
 

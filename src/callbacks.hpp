@@ -22,6 +22,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <thread>
 
 namespace oneccl_bind_pt {
 
@@ -62,6 +63,7 @@ class Callbacks {
   int idle_ = 0;
   int runners_ = 0;
   bool stop_ = false;
+  std::thread::id inline_thread_; // running completions itself: no runner could be started
 };
 
 } // namespace oneccl_bind_pt

@@ -93,7 +93,8 @@ Rendezvous rendezvous(
   const int64_t slot = store->add(host_key, 1);
   store->set(host_key + "/" + std::to_string(slot), std::vector<uint8_t>(pid.begin(), pid.end()));
   if (store->add(kArrivedCounter, 1) == size) {
-    store->set(kAllArrivedKey, std::vector<uint8_t>{1});
+    // Not over a failure a rank announced before this one came (it gave up waiting at the timeout).
+    store->compareSet(kAllArrivedKey, {}, std::vector<uint8_t>{1});
   }
   try {
     store->wait({kAllArrivedKey, kAddressKey}, timeout);
@@ -164,9 +165,8 @@ void announce_failure(const c10::intrusive_ptr<c10d::Store>& store, int rank, co
   try {
     // The first rank's reason stands: a failure can make others fail after it. For ranks past
     // the rendezvous, first; then in place of the mark the last arrival sets, for those in it
-    // or still to come. Before this rank arrives the arrival counter cannot reach the group's
-    // size, so no other rank overwrites that; after, every rank has read it or reads the
-    // failure, which is as true.
+    // or still to come (the last arrival sets its mark only where there is none, so a rank that
+    // comes after this one gave up reads the failure too).
     const auto first = store->compareSet(kFailedKey, {}, std::vector<uint8_t>(mine.begin(), mine.end()));
     const std::string mark = kFailedMark + std::string(first.begin(), first.end());
     store->set(kAllArrivedKey, std::vector<uint8_t>(mark.begin(), mark.end()));

@@ -95,9 +95,9 @@ def test_a_rank_that_comes_too_late_is_told_at_once(tmp_path):
         assert p.returncode == 3, out
         outs.append(out)
     m = re.search(r"raised after ([\d.]+) s: (.*)", outs[1])
-    assert m and float(m.group(1)) < 20, outs[1]
-    assert "rank 0 could not create its side of this process group: it waited 3.0 s for the other ranks; " \
-           "missing ranks: 1" in m.group(2), outs[1]
+    assert m and float(m.group(1)) < 10, outs[1]
+    assert m.group(2).startswith("ccl rendezvous: rank 0 could not create its side of this process group: it waited "
+                                 "3.0 s for the other ranks; missing ranks: 1"), outs[1]
 
 
 def _destroy_with_work_in_flight(rank, world):

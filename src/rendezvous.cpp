@@ -93,8 +93,7 @@ Rendezvous rendezvous(
   const int64_t slot = store->add(host_key, 1);
   store->set(host_key + "/" + std::to_string(slot), std::vector<uint8_t>(pid.begin(), pid.end()));
   if (store->add(kArrivedCounter, 1) == size) {
-    // Not over a failure a rank announced before this one came (it gave up waiting at the timeout).
-    store->compareSet(kAllArrivedKey, {}, std::vector<uint8_t>{1});
+    store->set(kAllArrivedKey, std::vector<uint8_t>{1});
   }
   try {
     store->wait({kAllArrivedKey, kAddressKey}, timeout);
@@ -116,7 +115,13 @@ Rendezvous rendezvous(
     marks.push_back(kAddressKey);
   }
   const auto marked = store->multiGet(marks);
-  const std::string mark(marked[0].begin(), marked[0].end());
+  std::string mark(marked[0].begin(), marked[0].end());
+  if (mark.rfind(kFailedMark, 0) != 0 && store->check({kFailedKey})) {
+    // A rank gave up (at its timeout) before this one came, and this one, the last to arrive,
+    // set its mark over the failure's: the failure stands.
+    const auto bytes = store->get(kFailedKey);
+    mark = kFailedMark + std::string(bytes.begin(), bytes.end());
+  }
   if (mark.rfind(kFailedMark, 0) == 0) {
     fail(mark.substr(std::char_traits<char>::length(kFailedMark)) + " (rank " + std::to_string(rank) +
          " gives up on this process group with it)");
@@ -165,9 +170,17 @@ void announce_failure(const c10::intrusive_ptr<c10d::Store>& store, int rank, co
   try {
     // The first rank's reason stands: a failure can make others fail after it. For ranks past
     // the rendezvous, first; then in place of the mark the last arrival sets, for those in it
-    // or still to come (the last arrival sets its mark only where there is none, so a rank that
-    // comes after this one gave up reads the failure too).
-    const auto first = store->compareSet(kFailedKey, {}, std::vector<uint8_t>(mine.begin(), mine.end()));
+    // or still to come (a rank that comes after this one gave up, and sets that mark over this
+    // one, finds the failure in its key).
+    const std::vector<uint8_t> reason(mine.begin(), mine.end());
+    std::vector<uint8_t> first;
+    try {
+      first = store->compareSet(kFailedKey, {}, reason);
+    } catch (const std::exception&) {
+      // A store without compareSet (one written in Python): not atomic, but the first reason
+      // all the same unless two ranks fail at the same moment.
+      first = store->check({kFailedKey}) ? store->get(kFailedKey) : (store->set(kFailedKey, reason), reason);
+    }
     const std::string mark = kFailedMark + std::string(first.begin(), first.end());
     store->set(kAllArrivedKey, std::vector<uint8_t>(mark.begin(), mark.end()));
     if (rank == 0 && !store->check({kAddressKey})) {

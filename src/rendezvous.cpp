@@ -140,29 +140,18 @@ Rendezvous rendezvous(
     host_peers.push_back(std::stoi(std::string(bytes.begin(), bytes.end())));
   }
 
+  Rendezvous met{std::move(kvs), {}, std::move(host_peers)};
   if (rank != 0) {
-    // From here a failure is announced: the others go on into oneCCL's communicator
-    // creation, which waits for every rank without a time limit (Communicator's constructor
-    // watches for the announcement).
     const auto& bytes = marked[1];
-    ccl::kvs::address_type address{};
-    if (bytes.size() != address.size()) {
+    if (bytes.size() != met.address.size()) {
       const std::string why = "oneCCL's key-value store address from rank 0 has " + std::to_string(bytes.size()) +
-          " bytes, expected " + std::to_string(address.size()) + " (ranks built against different oneCCL versions?)";
+          " bytes, expected " + std::to_string(met.address.size()) + " (ranks built against different oneCCL versions?)";
       announce_failure(store, rank, why);
       fail("rank " + std::to_string(rank) + ": " + why);
     }
-    std::copy(bytes.begin(), bytes.end(), reinterpret_cast<uint8_t*>(address.data()));
-    try {
-      kvs = ccl::create_kvs(address);
-    } catch (const ccl::exception& e) {
-      const std::string why = std::string("it could not reach rank 0's oneCCL key-value store: ") + e.what() +
-          " (CCL_KVS_IFACE / CCL_KVS_IP_EXCHANGE choose its network interface)";
-      announce_failure(store, rank, why);
-      fail("rank " + std::to_string(rank) + ": " + why);
-    }
+    std::copy(bytes.begin(), bytes.end(), reinterpret_cast<uint8_t*>(met.address.data()));
   }
-  return {std::move(kvs), std::move(host_peers)};
+  return met;
 }
 
 void announce_failure(const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::string& why) {

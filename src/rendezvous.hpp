@@ -1,7 +1,8 @@
 // Store rendezvous: the only code that talks to the c10d Store.
 //
 // Rank 0 creates oneCCL's main key-value store (KVS) and publishes its
-// address; the other ranks read it and attach. The Store handed to a backend
+// address; the other ranks read it here and attach to it in create_communicator
+// (communicator.cpp), where the group's deadline is watched. The Store handed to a backend
 // is already prefixed per process group, so every group has its own keys.
 #pragma once
 
@@ -29,7 +30,8 @@ namespace oneccl_bind_pt {
 c10::intrusive_ptr<c10d::Store> creation_keys(const c10::intrusive_ptr<c10d::Store>& store, int rank);
 
 struct Rendezvous {
-  std::shared_ptr<ccl::kvs> kvs; // this rank's handle on the group's oneCCL KVS
+  std::shared_ptr<ccl::kvs> kvs;        // rank 0: the group's oneCCL KVS, which it serves
+  ccl::kvs::address_type address{};     // the other ranks: where rank 0 serves it
   // The pids of the group's other ranks on this host (`host`): read now, for
   // cleaning up after them if they die, since the store may die with rank 0.
   std::vector<int> host_peers;
@@ -37,6 +39,8 @@ struct Rendezvous {
 
 // Returns once every rank of the group has arrived; throws DistBackendError
 // naming the missing ranks on timeout, or the rank that announced a failure. `host` names this rank's host.
+// Ranks other than 0 attach to rank 0's KVS later, where the group's deadline is watched
+// (create_communicator): oneCCL retries a connection it is refused for 120 s whatever our timeout.
 Rendezvous rendezvous(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,

@@ -5,6 +5,7 @@ import datetime
 import os
 import re
 import select
+import socket
 import time
 
 import pytest
@@ -413,6 +414,38 @@ def test_communicator_creation_gives_up_at_the_timeout():
     assert 4 <= took < 15, took
     assert told == "rank 0 could not create its side of this process group: it gave up waiting for oneCCL's " \
                    "communicator after 4000 ms", told
+
+
+def _rank_0_not_listening(rank, world):
+    """Rank 1 of a group of 2 made by this one process, whose rank 0 "arrived" (its marks and
+    its key-value store's address, written here as it would) and then does not take the
+    connection: a rank 0 that died after the rendezvous, or listens where this host cannot
+    reach it. oneCCL retries a refused connection for 120 s, whatever the group's timeout."""
+    store = dist.PrefixStore("deaf", dist.distributed_c10d._get_default_store())
+    with socket.socket() as bound:  # bound, never listening: connections to it are refused
+        bound.bind(("127.0.0.1", 0))
+        where = f"127.0.0.1:{bound.getsockname()[1]}"
+        store.set("oneccl/arrived/0", "elsewhere/1")
+        store.add("oneccl/arrived", 1)
+        store.set("oneccl/kvs_address", where.replace(":", "_").encode().ljust(256, b"\0"))
+        start = time.monotonic()
+        try:
+            dist.ProcessGroupCCL(store, 1, 2, datetime.timedelta(seconds=4))
+        except dist.DistBackendError as e:
+            return where, str(e).splitlines()[0], time.monotonic() - start, store.get("oneccl/failed").decode()
+    raise AssertionError("a group was made with a rank 0 that never listened")
+
+
+# Attaching to rank 0's key-value store is bounded by the group's timeout too, and the error says
+# where rank 0 was to be found and what a connection there met.
+def test_a_rank_0_that_does_not_listen_is_named_at_the_timeout():
+    where, said, took, told = run_ranks(_rank_0_not_listening, 1, timeout=120)[0]
+    reach = f"could not reach rank 0's oneCCL key-value store at {where}"
+    assert said.startswith("ccl: creating the oneCCL communicator (rank 1 of 2) did not complete within 4000 ms: "
+                           f"it {reach} (Connection refused): rank 0 may have died"), said
+    assert 4 <= took < 15, took
+    assert told == f"rank 1 could not create its side of this process group: it {reach} within 4000 ms " \
+                   "(Connection refused)", told
 
 
 def _one_rank_without_shm(rank, world):

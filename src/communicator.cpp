@@ -219,6 +219,13 @@ Created create_communicator(
     c->done = true;
     c->cv.notify_all();
   };
+  // oneCCL opens its sockets for the creation as it begins and uses them at once: they get
+  // TCP_NODELAY from a sweep every millisecond in its first 200 ms (setting it sends what
+  // Nagle's algorithm held back), then at each look at the store, and after it for the
+  // teardown's exchanges.
+  NewTcpSockets opened = met.opened; // (rank 0's store may still be accepting its own connections)
+  constexpr auto kSweepEvery = std::chrono::milliseconds(1);
+  constexpr auto kSweepFor = std::chrono::milliseconds(200);
   try {
     std::thread(create).detach();
   } catch (const std::system_error&) {
@@ -227,11 +234,20 @@ Created create_communicator(
   const std::string who = "ccl: creating the oneCCL communicator (rank " + std::to_string(rank) + " of " +
       std::to_string(size) + ")";
   const std::string gives_up = " (rank " + std::to_string(rank) + " gives up on this process group with it)";
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto started = std::chrono::steady_clock::now();
+  const auto deadline = started + timeout;
   auto look = std::chrono::milliseconds(50); // between looks at the store: up to 1 s, for large groups
+  auto next_look = started + look;
   std::unique_lock<std::mutex> lock(c->mutex);
-  while (!c->cv.wait_for(lock, look, [&] { return c->done; })) {
+  while (!c->cv.wait_for(lock, std::chrono::steady_clock::now() < started + kSweepFor ? kSweepEvery : look,
+                         [&] { return c->done; })) {
     lock.unlock();
+    opened.no_delay();
+    if (std::chrono::steady_clock::now() < next_look) {
+      lock.lock();
+      continue;
+    }
+    next_look = std::chrono::steady_clock::now() + look;
     std::string failed = announced_failure(store);
     const bool late = std::chrono::steady_clock::now() >= deadline;
     lock.lock();
@@ -264,8 +280,9 @@ Created create_communicator(
     }
     look = std::min<std::chrono::milliseconds>(look * 2, std::chrono::milliseconds(1000));
   }
+  lock.unlock();
+  opened.no_delay();
   if (!c->comm) {
-    lock.unlock();
     // A peer that failed first is the cause: its leaving can make this rank's creation fail too.
     if (const std::string failed = announced_failure(store); !failed.empty()) {
       C10_THROW_ERROR(DistBackendError, who + " failed (" + c->error + "): " + failed + gives_up);

@@ -3,11 +3,18 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include <cstdlib>
 #include <iomanip>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include <dirent.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace oneccl_bind_pt {
@@ -53,6 +60,26 @@ std::string seconds_text(std::chrono::milliseconds timeout) {
   C10_THROW_ERROR(DistBackendError, "ccl rendezvous: " + what);
 }
 
+// This process's open sockets, by fd and inode.
+template <class Fn>
+void each_socket(Fn fn) {
+  DIR* dir = opendir("/proc/self/fd");
+  if (!dir) {
+    return;
+  }
+  const int own = dirfd(dir);
+  while (const dirent* entry = readdir(dir)) {
+    char* end = nullptr;
+    const long fd = std::strtol(entry->d_name, &end, 10);
+    struct stat st {};
+    if (*end == '\0' && end != entry->d_name && fd != own && fstat(static_cast<int>(fd), &st) == 0 &&
+        S_ISSOCK(st.st_mode)) {
+      fn(static_cast<int>(fd), st.st_ino);
+    }
+  }
+  closedir(dir);
+}
+
 } // namespace
 
 c10::intrusive_ptr<c10d::Store> creation_keys(const c10::intrusive_ptr<c10d::Store>& store, int rank) {
@@ -63,6 +90,22 @@ c10::intrusive_ptr<c10d::Store> creation_keys(const c10::intrusive_ptr<c10d::Sto
   return c10::make_intrusive<c10d::PrefixStore>("oneccl/creation/" + std::to_string(n), store);
 }
 
+NewTcpSockets::NewTcpSockets() {
+  each_socket([&](int, ino_t inode) { seen_.insert(inode); });
+}
+
+void NewTcpSockets::no_delay() {
+  each_socket([&](int fd, ino_t inode) {
+    int protocol = 0;
+    socklen_t len = sizeof protocol;
+    if (seen_.insert(inode).second && getsockopt(fd, SOL_SOCKET, SO_PROTOCOL, &protocol, &len) == 0 &&
+        protocol == IPPROTO_TCP) {
+      const int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); // best effort: only a speed-up
+    }
+  });
+}
+
 Rendezvous rendezvous(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
@@ -70,10 +113,12 @@ Rendezvous rendezvous(
     std::chrono::milliseconds timeout,
     const std::string& host) {
   const auto seconds = seconds_text(timeout);
+  NewTcpSockets opened;
   std::shared_ptr<ccl::kvs> kvs;
   try {
     if (rank == 0) {
       kvs = ccl::create_main_kvs();
+      opened.no_delay(); // before the others can connect: what its listener accepts inherits it
       auto address = kvs->get_address();
       store->set(kAddressKey, std::vector<uint8_t>(address.begin(), address.end()));
     }
@@ -140,7 +185,7 @@ Rendezvous rendezvous(
     host_peers.push_back(std::stoi(std::string(bytes.begin(), bytes.end())));
   }
 
-  Rendezvous met{std::move(kvs), {}, std::move(host_peers)};
+  Rendezvous met{std::move(opened), std::move(kvs), {}, std::move(host_peers)};
   if (rank != 0) {
     const auto& bytes = marked[1];
     if (bytes.size() != met.address.size()) {

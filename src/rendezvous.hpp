@@ -11,8 +11,11 @@
 
 #include <chrono>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
+
+#include <sys/types.h>
 
 namespace oneccl_bind_pt {
 
@@ -29,7 +32,25 @@ namespace oneccl_bind_pt {
 // they agree. A fresh store starts again from the first.
 c10::intrusive_ptr<c10d::Store> creation_keys(const c10::intrusive_ptr<c10d::Store>& store, int rank);
 
+// oneCCL's key-value store talks over TCP sockets it opens without TCP_NODELAY, in
+// exchanges of two small writes and a read: each one waited out the peer's delayed ACK
+// (40 ms on Linux), seven times per communicator: a group took 320-520 ms to create at 2-4
+// ranks on one host, and 9-51 ms with TCP_NODELAY (docs/performance.md, "Making and
+// destroying groups").
+// This sets it on the TCP sockets this process opened since it was made (the store's
+// listeners too: the connections they accept inherit it). Another thread's socket opened
+// meanwhile gets it as well, which changes only when its small writes leave.
+class NewTcpSockets {
+ public:
+  NewTcpSockets();
+  void no_delay();
+
+ private:
+  std::set<ino_t> seen_; // open before, or set since
+};
+
 struct Rendezvous {
+  NewTcpSockets opened;                 // from before rank 0 opened the group's KVS
   std::shared_ptr<ccl::kvs> kvs;        // rank 0: the group's oneCCL KVS, which it serves
   ccl::kvs::address_type address{};     // the other ranks: where rank 0 serves it
   // The pids of the group's other ranks on this host (`host`): read now, for

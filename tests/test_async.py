@@ -2,6 +2,8 @@
 transports of one host (the `transport` fixture: shared memory and oneCCL)."""
 
 import datetime
+import os
+import socket
 import time
 
 import torch
@@ -140,6 +142,47 @@ def _interleaved_groups(rank, world):
 def test_two_groups_interleaved(transport):
     assert all(run_ranks(_interleaved_groups, 2, env=TRANSPORTS[transport]))
     assert all(run_ranks(_interleaved_groups, 4, env=TRANSPORTS[transport]))
+
+
+def _tcp_sockets():
+    """This process's TCP sockets: {inode: (TCP_NODELAY, local address, peer address or "listening")}."""
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            inode = os.readlink(f"/proc/self/fd/{fd}")
+            if not inode.startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:  # closed meanwhile (the listing's own fd), or not a socket family Python knows
+            continue
+        with sock:
+            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
+                listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                found[inode] = (sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY), sock.getsockname(),
+                                "listening" if listening else sock.getpeername())
+    return found
+
+
+def _groups_opened_sockets(rank, world):
+    before = _tcp_sockets()
+    for _ in range(2):
+        group = dist.new_group(list(range(world)))
+        x = torch.ones(4)
+        dist.all_reduce(x, group=group)
+        assert x.tolist() == [float(world)] * 4
+    expect_transport(group)
+    return [v for k, v in _tcp_sockets().items() if k not in before]
+
+
+# oneCCL's key-value store (every group's bootstrap, on both transports) sends two small requests
+# and then reads: without TCP_NODELAY each such exchange waited out the peer's delayed ACK (40 ms),
+# and a group took 320-520 ms to create at 2-4 ranks on one host (gloo: 2-13 ms). Every TCP socket
+# a group's creation opens must send at once, listeners included (their connections inherit it).
+def test_group_creation_sockets_send_at_once(transport):
+    for rank, opened in enumerate(run_ranks(_groups_opened_sockets, 3, env=TRANSPORTS[transport])):
+        assert opened, f"rank {rank}: creating two groups opened no TCP socket"
+        slow = [s for s in opened if not s[0]]
+        assert not slow, f"rank {rank}: sockets without TCP_NODELAY: {slow}"
 
 
 def _direct_backend(rank, world):

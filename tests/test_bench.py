@@ -194,6 +194,17 @@ def test_ddp_bench_with_bucket_views_trains_like_one_process(tmp_path):
     assert r["grad_storages"] == 1 and report["results"]["float32"]["local"]["grad_storages"] == 6, report
 
 
+
+def test_group_bench_makes_and_destroys_groups_on_every_backend(tmp_path):
+    out = tmp_path / "groups.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_groups.py"), "--ranks", "2", "--groups", "2",
+                           "--json", str(out)], cwd=ROOT / "tests", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["ccl", "oneccl", "gloo"], rows
+    assert all(r["ranks"] == 2 and 0 < r["group_ms_median"] <= r["group_ms_max"] and r["destroy_ms"] > 0
+               for r in rows), rows
+
 # Every command with options answers --help (a '%' in a help text once made bench_ddp's raise).
 HELP = [["-m", f"oneccl_bind_pt.{m}"] for m in ("bench", "bench_ddp", "doctor")] + [
     [str(p)] for p in sorted((ROOT / "scripts").glob("*.py")) if "argparse" in p.read_text()]

@@ -221,8 +221,9 @@ Created create_communicator(
   };
   // oneCCL opens its sockets for the creation as it begins and uses them at once: they get
   // TCP_NODELAY from a sweep every millisecond in its first 200 ms (setting it sends what
-  // Nagle's algorithm held back), then at each look at the store, and after it for the
-  // teardown's exchanges.
+  // Nagle's algorithm held back; a process with many descriptors, whose sweep takes longer,
+  // sweeps less often), then at each look at the store, and after it for the teardown's
+  // exchanges.
   NewTcpSockets opened = met.opened; // (rank 0's store may still be accepting its own connections)
   constexpr auto kSweepEvery = std::chrono::milliseconds(1);
   constexpr auto kSweepFor = std::chrono::milliseconds(200);
@@ -234,22 +235,29 @@ Created create_communicator(
   const std::string who = "ccl: creating the oneCCL communicator (rank " + std::to_string(rank) + " of " +
       std::to_string(size) + ")";
   const std::string gives_up = " (rank " + std::to_string(rank) + " gives up on this process group with it)";
-  const auto started = std::chrono::steady_clock::now();
+  using Clock = std::chrono::steady_clock;
+  const auto started = Clock::now();
   const auto deadline = started + timeout;
   auto look = std::chrono::milliseconds(50); // between looks at the store: up to 1 s, for large groups
   auto next_look = started + look;
+  Clock::duration sweep_every = kSweepEvery;
+  const auto until_next = [&] {
+    const auto now = Clock::now();
+    const auto wait = now < started + kSweepFor ? std::min(sweep_every, next_look - now) : next_look - now;
+    return std::max(wait, Clock::duration::zero());
+  };
   std::unique_lock<std::mutex> lock(c->mutex);
-  while (!c->cv.wait_for(lock, std::chrono::steady_clock::now() < started + kSweepFor ? kSweepEvery : look,
-                         [&] { return c->done; })) {
+  while (!c->cv.wait_for(lock, until_next(), [&] { return c->done; })) {
     lock.unlock();
+    const auto swept = Clock::now();
     opened.no_delay();
-    if (std::chrono::steady_clock::now() < next_look) {
+    sweep_every = std::max<Clock::duration>(kSweepEvery, 10 * (Clock::now() - swept));
+    if (Clock::now() < next_look) {
       lock.lock();
       continue;
     }
-    next_look = std::chrono::steady_clock::now() + look;
     std::string failed = announced_failure(store);
-    const bool late = std::chrono::steady_clock::now() >= deadline;
+    const bool late = Clock::now() >= deadline;
     lock.lock();
     if (c->done) {
       break;
@@ -279,6 +287,7 @@ Created create_communicator(
       C10_THROW_ERROR(DistBackendError, who + " " + why);
     }
     look = std::min<std::chrono::milliseconds>(look * 2, std::chrono::milliseconds(1000));
+    next_look = Clock::now() + look;
   }
   lock.unlock();
   opened.no_delay();

@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <iomanip>
+#include <memory>
 #include <set>
 #include <sstream>
 #include <string>
@@ -63,12 +64,12 @@ std::string seconds_text(std::chrono::milliseconds timeout) {
 // This process's open sockets, by fd and inode.
 template <class Fn>
 void each_socket(Fn fn) {
-  DIR* dir = opendir("/proc/self/fd");
+  const std::unique_ptr<DIR, int (*)(DIR*)> dir(opendir("/proc/self/fd"), closedir);
   if (!dir) {
-    return;
+    return; // no /proc: oneCCL's sockets keep Nagle's algorithm, creation is slower
   }
-  const int own = dirfd(dir);
-  while (const dirent* entry = readdir(dir)) {
+  const int own = dirfd(dir.get());
+  while (const dirent* entry = readdir(dir.get())) {
     char* end = nullptr;
     const long fd = std::strtol(entry->d_name, &end, 10);
     struct stat st {};
@@ -77,7 +78,6 @@ void each_socket(Fn fn) {
       fn(static_cast<int>(fd), st.st_ino);
     }
   }
-  closedir(dir);
 }
 
 } // namespace
@@ -96,10 +96,11 @@ NewTcpSockets::NewTcpSockets() {
 
 void NewTcpSockets::no_delay() {
   each_socket([&](int fd, ino_t inode) {
-    int protocol = 0;
-    socklen_t len = sizeof protocol;
+    int protocol = 0, type = 0;
+    socklen_t len = sizeof protocol, type_len = sizeof type;
     if (seen_.insert(inode).second && getsockopt(fd, SOL_SOCKET, SO_PROTOCOL, &protocol, &len) == 0 &&
-        protocol == IPPROTO_TCP) {
+        protocol == IPPROTO_TCP && getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &type_len) == 0 &&
+        type == SOCK_STREAM) {
       const int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); // best effort: only a speed-up
     }

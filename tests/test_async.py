@@ -152,14 +152,13 @@ def _tcp_sockets():
             inode = os.readlink(f"/proc/self/fd/{fd}")
             if not inode.startswith("socket:"):
                 continue
-            sock = socket.socket(fileno=os.dup(int(fd)))
-        except OSError:  # closed meanwhile (the listing's own fd), or not a socket family Python knows
+            with socket.socket(fileno=os.dup(int(fd))) as sock:
+                if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
+                    listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                    found[inode] = (sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY), sock.getsockname(),
+                                    "listening" if listening else sock.getpeername())
+        except OSError:  # closed or reset meanwhile (the listing's own fd), or a family Python does not know
             continue
-        with sock:
-            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
-                listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-                found[inode] = (sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY), sock.getsockname(),
-                                "listening" if listening else sock.getpeername())
     return found
 
 
@@ -176,7 +175,7 @@ def _groups_opened_sockets(rank, world):
 
 # oneCCL's key-value store (every group's bootstrap, on both transports) sends two small requests
 # and then reads: without TCP_NODELAY each such exchange waited out the peer's delayed ACK (40 ms),
-# and a group took 320-520 ms to create at 2-4 ranks on one host (gloo: 2-13 ms). Every TCP socket
+# and a group took 320-520 ms to create at 2-4 ranks on one host (gloo: 2-11 ms). Every TCP socket
 # a group's creation opens must send at once, listeners included (their connections inherit it).
 def test_group_creation_sockets_send_at_once(transport):
     for rank, opened in enumerate(run_ranks(_groups_opened_sockets, 3, env=TRANSPORTS[transport])):

@@ -132,6 +132,7 @@ bool Callbacks::rescue_stuck_locked() {
 }
 
 void Callbacks::runner_loop(uint64_t id) {
+  pthread_setname_np(pthread_self(), "ccl-callbacks");
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     while (ready_.empty()) {

@@ -10,6 +10,7 @@
 #include <dirent.h>
 #include <netdb.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <cstdlib>
 #include <condition_variable>
+#include <functional>
 #include <system_error>
 #include <thread>
 
@@ -52,6 +54,30 @@ constexpr const char* kTimedOutKey = "oneccl_bind_pt/timed_out"; // "0,2,": roll
 constexpr std::chrono::milliseconds kRollCallWait{500};
 constexpr std::chrono::milliseconds kRollCallSlack{300};
 constexpr std::chrono::milliseconds kHookWait{1000};
+
+// A thread that carries a call which may never return (a store or a peer that is gone).
+// One that has delivered is joined as its caller leaves, so neither it nor what its
+// call held (the group's key-value store) outlives the caller: a group made and
+// destroyed leaves no thread behind. One that has not is left to run.
+class JoinIfDelivered {
+ public:
+  explicit JoinIfDelivered(std::function<bool()> delivered) : delivered_(std::move(delivered)) {}
+  JoinIfDelivered(const JoinIfDelivered&) = delete;
+  JoinIfDelivered& operator=(const JoinIfDelivered&) = delete;
+  ~JoinIfDelivered() {
+    if (thread.joinable()) {
+      if (delivered_()) {
+        thread.join();
+      } else {
+        thread.detach();
+      }
+    }
+  }
+  std::thread thread;
+
+ private:
+  std::function<bool()> delivered_;
+};
 
 // Abort hooks still running (process-wide): see run_abort_hooks().
 struct HooksInFlight {
@@ -227,8 +253,12 @@ Created create_communicator(
   NewTcpSockets opened = met.opened; // (rank 0's store may still be accepting its own connections)
   constexpr auto kSweepEvery = std::chrono::milliseconds(1);
   constexpr auto kSweepFor = std::chrono::milliseconds(200);
+  JoinIfDelivered creator([c] {
+    std::lock_guard<std::mutex> lock(c->mutex);
+    return c->done;
+  });
   try {
-    std::thread(create).detach();
+    creator.thread = std::thread(create);
   } catch (const std::system_error&) {
     create(); // no thread to be had (a pids limit): unwatched, as oneCCL makes it
   }
@@ -350,7 +380,7 @@ std::optional<std::invoke_result_t<Fn>> Communicator::bounded(Fn fn, std::option
     std::optional<T> value;
   };
   auto call = std::make_shared<Call>();
-  std::thread([call, fn = std::move(fn)]() mutable {
+  auto run = [call, fn = std::move(fn)]() mutable {
     std::optional<T> value;
     try {
       value = fn();
@@ -360,7 +390,19 @@ std::optional<std::invoke_result_t<Fn>> Communicator::bounded(Fn fn, std::option
     call->value = std::move(value);
     call->done = true;
     call->cv.notify_all();
-  }).detach();
+  };
+  JoinIfDelivered worker([call] {
+    std::lock_guard<std::mutex> lock(call->mutex);
+    return call->done;
+  });
+  try {
+    worker.thread = std::thread([run]() mutable {
+      pthread_setname_np(pthread_self(), "ccl-store");
+      run();
+    });
+  } catch (const std::system_error&) {
+    run(); // no thread to be had (a pids limit): unbounded, as the store's own call is
+  }
   std::unique_lock<std::mutex> lock(call->mutex);
   if (!call->cv.wait_for(lock, limit.value_or(std::min<std::chrono::milliseconds>(timeout_, kStoreWait)),
                          [&] { return call->done; })) {
@@ -582,6 +624,7 @@ void Communicator::run_abort_hooks() {
   std::thread hook_thread;
   try {
     hook_thread = std::thread([hooks = std::move(hooks), run] {
+      pthread_setname_np(pthread_self(), "ccl-abort-hooks");
       for (const auto& entry : hooks) {
         try {
           entry.second();

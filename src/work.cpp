@@ -385,6 +385,7 @@ void Progress::watch_future() {
 }
 
 void Progress::background_loop() {
+  pthread_setname_np(pthread_self(), "ccl-progress");
   unsigned idle = 0;
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_) {

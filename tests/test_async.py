@@ -30,6 +30,12 @@ def _async_forms(rank, world):
     t = torch.full((4,), float(rank + 1))
     chained = dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
     assert chained.wait().tolist() == [2 * expect] * 4
+    # The threads that did it say whose they are (top -H, gdb, py-spy).
+    names = set()
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            names.add(f.read().strip())
+    assert {"ccl-progress", "ccl-callbacks"} <= names, names
 
     # Polling is_completed() alone drives the op to the end.
     t = torch.full((4,), float(rank + 1))

@@ -366,7 +366,10 @@ void unlink_own_fabric_segments() {
 }
 
 template <class Fn>
-std::optional<std::invoke_result_t<Fn>> Communicator::bounded(Fn fn, std::optional<std::chrono::milliseconds> limit) const {
+std::optional<std::invoke_result_t<Fn>> Communicator::bounded(
+    Fn fn,
+    std::optional<std::chrono::milliseconds> limit,
+    Inline fallback) const {
   using T = std::invoke_result_t<Fn>;
   if (stores_silent_.load(std::memory_order_acquire)) {
     return std::nullopt;
@@ -401,7 +404,10 @@ std::optional<std::invoke_result_t<Fn>> Communicator::bounded(Fn fn, std::option
       run();
     });
   } catch (const std::system_error&) {
-    run(); // no thread to be had (a pids limit): unbounded, as the store's own call is
+    if (fallback == Inline::kNever) {
+      return std::nullopt;
+    }
+    run(); // no thread to be had: bounded by the store's own timeout
   }
   std::unique_lock<std::mutex> lock(call->mutex);
   if (!call->cv.wait_for(lock, limit.value_or(std::min<std::chrono::milliseconds>(timeout_, kStoreWait)),
@@ -518,7 +524,8 @@ Communicator::~Communicator() {
   // freed its own would reuse the communicator's id, whose messages that op
   // then takes (measured: the next group's creation hung on both ranks).
   const auto kvs_silent = [&] {
-    return !bounded([kvs = kvs_, rank = rank_] { return kvs_answers(*kvs, rank); }).value_or(false);
+    return !bounded([kvs = kvs_, rank = rank_] { return kvs_answers(*kvs, rank); }, {}, Inline::kNever)
+                .value_or(false);
   };
   if (aborted() || (shm_ && shm_->any_peer_gone()) || peer_abandoned_an_op() || (rank_ != 0 && kvs_silent())) {
     static auto* graveyard = new std::vector<std::pair<ccl::communicator, std::shared_ptr<ccl::kvs>>>();

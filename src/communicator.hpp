@@ -130,8 +130,15 @@ class Communicator {
   // wait on it. After one call is given up on, later ones are not tried: the
   // blocked thread may hold the store's lock.
   // `limit` (if set) replaces that wait, and a call that passes it then leaves later calls be.
+  // Where no thread can be started (a pids limit), a call with a time limit of its own
+  // (the group's store: `Inline::kAllowed`) runs on the caller's thread; oneCCL's
+  // key-value store has none, so its call (`Inline::kNever`) counts as not answered.
+  enum class Inline { kAllowed, kNever };
   template <class Fn>
-  std::optional<std::invoke_result_t<Fn>> bounded(Fn fn, std::optional<std::chrono::milliseconds> limit = {}) const;
+  std::optional<std::invoke_result_t<Fn>> bounded(
+      Fn fn,
+      std::optional<std::chrono::milliseconds> limit = {},
+      Inline fallback = Inline::kAllowed) const;
 
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;

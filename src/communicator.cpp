@@ -265,6 +265,7 @@ Created create_communicator(
   const std::string who = "ccl: creating the oneCCL communicator (rank " + std::to_string(rank) + " of " +
       std::to_string(size) + ")";
   const std::string gives_up = " (rank " + std::to_string(rank) + " gives up on this process group with it)";
+  const std::string kvs_at = "rank 0's oneCCL key-value store at " + kvs_where(met.address);
   using Clock = std::chrono::steady_clock;
   const auto started = Clock::now();
   const auto deadline = started + timeout;
@@ -307,10 +308,9 @@ Created create_communicator(
         told = "it gave up waiting for oneCCL's communicator after " + ms;
       } else {
         const std::string cause = kvs_unreachable(met.address);
-        const std::string at = "rank 0's oneCCL key-value store at " + kvs_where(met.address);
         const std::string because = cause.empty() ? "" : " (" + cause + ")";
-        told = "it could not reach " + at + " within " + ms + because;
-        why = "did not complete within " + ms + ": it could not reach " + at + because + kKvsHint;
+        told = "it could not reach " + kvs_at + " within " + ms + because;
+        why = "did not complete within " + ms + ": it could not reach " + kvs_at + because + kKvsHint;
       }
       // Those still waiting should not find out later, from a straggler, that this rank left.
       announce_failure(store, rank, told);
@@ -330,8 +330,7 @@ Created create_communicator(
     if (rank != 0) {
       // oneCCL's own words after a refused attach are "init transport failed".
       if (const std::string cause = kvs_unreachable(met.address); !cause.empty()) {
-        why += "; rank 0's oneCCL key-value store at " + kvs_where(met.address) +
-            " does not accept connections from this host (" + cause + ")" + kKvsHint;
+        why += "; " + kvs_at + " does not accept connections from this host (" + cause + ")" + kKvsHint;
       }
     }
     announce_failure(store, rank, "creating its oneCCL communicator failed: " + why);

@@ -1,4 +1,5 @@
-// Store rendezvous: the only code that talks to the c10d Store.
+// Store rendezvous: how a group's ranks meet through the c10d Store before oneCCL makes
+// their communicator, and the TCP_NODELAY sweep of oneCCL's key-value store sockets.
 //
 // Rank 0 creates oneCCL's main key-value store (KVS) and publishes its
 // address; the other ranks read it here and attach to it in create_communicator

@@ -322,13 +322,6 @@ Created create_communicator(
   lock.unlock();
   opened.no_delay();
   if (!c->comm) {
-    // Rank 0's key-value store server may have died with the creation (a peer that left in
-    // the middle of a request: "kvs_server_init: failed"), and tearing a store down waits
-    // for that server's answer for good (measured: rank 0 hung in kvs_finalize). A failed
-    // creation leaves its store be: a leak at the end of a failed job.
-    if (c->kvs) {
-      new std::shared_ptr<ccl::kvs>(c->kvs);
-    }
     // A peer that failed first is the cause: its leaving can make this rank's creation fail too.
     if (const std::string failed = announced_failure(store); !failed.empty()) {
       C10_THROW_ERROR(DistBackendError, who + " failed (" + c->error + "): " + failed + gives_up);
@@ -364,16 +357,7 @@ Communicator::Communicator(
   kvs_ = std::move(created.kvs);
   comm_.emplace(std::move(created.comm));
   ccl_ = std::make_unique<CclTransport>(*comm_, [this] { return broken() ? broken_reason() : std::string(); });
-  try {
-    shm_ = Shm::connect(store, rank, size, timeout, ccl_.get());
-  } catch (...) {
-    // As after a failed creation: the peers may be gone, and the oneCCL objects' teardown
-    // would wait on them. Left to the end of the process.
-    ccl_.reset();
-    new ccl::communicator(std::move(*comm_));
-    new std::shared_ptr<ccl::kvs>(kvs_);
-    throw;
-  }
+  shm_ = Shm::connect(store, rank, size, timeout, ccl_.get());
 }
 
 void unlink_own_fabric_segments() {

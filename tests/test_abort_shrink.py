@@ -18,15 +18,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import announce, await_announcement, communicate, free_port, popen, require, run_job, run_ranks
+from harness import (TRANSPORTS, announce, await_announcement, communicate, free_port, popen, require, run_job,
+                     run_ranks)
 from test_launchers import ROOT
 from test_two_hosts import two_hosts  # noqa: F401  the fixture
 
 # torch 2.10 added shrink_group (and Backend::shrink); on 2.9 there is nothing to call.
 needs_shrink = pytest.mark.skipif(not hasattr(dist, "shrink_group"),
                                   reason=f"torch 2.10 added shrink_group; this is torch {torch.__version__}")
-
-TRANSPORTS = {"shm": {"ONECCL_BIND_PT_SHM": "1"}, "oneccl": {"ONECCL_BIND_PT_SHM": "0"}}
 
 
 def _new_world(rank, world, store):

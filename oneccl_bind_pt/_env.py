@@ -23,14 +23,14 @@ CCL_LOCAL_SIZE             host and the rank count     launcher bootstraps it. F
                                                        MPI_LOCALNRANKS (Intel MPI), else
                                                        counted through the Store.
 CCL_ATL_SHM                ``0`` when every rank is on  Ranks on one host exchange data
-                           this host and our shared-   through shared memory, not sockets.
-                           memory transport is on,     On one host our own transport
-                           else ``1``                  carries every collective and p2p
-                                                       (oneCCL's leaves a 64 MiB file per
-                                                       rank in /dev/shm whenever a rank is
-                                                       killed); across hosts, or with
-                                                       ONECCL_BIND_PT_SHM=0, oneCCL's is
-                                                       used.
+                           this host and has our       through shared memory, not sockets.
+                           shared-memory transport     On one host our own transport
+                           on, else ``1`` (the ranks   carries every collective and p2p
+                           vote through the Store:     (oneCCL's leaves a 64 MiB file per
+                           oneCCL needs it alike on    rank in /dev/shm whenever a rank is
+                           all of them)                killed); across hosts, or with
+                                                       ONECCL_BIND_PT_SHM=0 on any rank,
+                                                       oneCCL's is used.
 FI_SHM_DISABLE_CMA         ``1``                       libfabric's shared-memory provider
                                                        (oneCCL's, with CCL_ATL_SHM=1) then
                                                        copies through its shared buffers,
@@ -124,6 +124,27 @@ def _local_layout(store, rank: int, size: int, env: MutableMapping[str, str]) ->
     hosts = [store.get(key).decode() for key in keys]
     mine = [r for r, h in enumerate(hosts) if h == host]
     return mine.index(rank), len(mine)
+
+
+def _every_rank(store, rank: int, size: int, name: str, mine: bool) -> bool:
+    """Whether `mine` holds on every rank of the group: a vote through the store, a few calls
+    per rank whatever the group's size."""
+    if not mine:
+        store.add(f"oneccl/{name}/no", 1)
+    if store.add(f"oneccl/{name}/votes", 1) == size:
+        store.set(f"oneccl/{name}/voted", "1")
+    try:
+        store.wait([f"oneccl/{name}/voted"])
+    except RuntimeError:  # the store's timeout
+        import torch.distributed as dist
+
+        came = store.add(f"oneccl/{name}/votes", 0)
+        raise dist.DistBackendError(
+            f"ccl rendezvous: rank {rank} waited {store.timeout.total_seconds():.1f} s for the other ranks "
+            f"of this process group (size {size}); {came} of them came. Every rank must create the group "
+            "(init_process_group / new_group) and none may have exited."
+        ) from None
+    return store.add(f"oneccl/{name}/no", 0) == 0
 
 
 def _ipv4_of(interface: str) -> str | None:
@@ -263,6 +284,11 @@ def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str
     _set_default(env, "CCL_LOCAL_RANK", str(local_rank))
     _set_default(env, "CCL_LOCAL_SIZE", str(local_size))
     ours = env.get("ONECCL_BIND_PT_SHM", "1").lower() not in ("0", "off", "false")
+    if local_size == size:
+        # Our transport carries a group only where every rank has it on (shm.cpp); oneCCL's
+        # shared memory must then be on for all of them alike, or their communicator cannot
+        # connect (rendezvous.cpp refuses the group). Across hosts it is on everywhere anyway.
+        ours = _every_rank(store, rank, size, "shm", ours)
     _set_default(env, "CCL_ATL_SHM", "0" if ours and local_size == size else "1")
     _set_default(env, "FI_SHM_DISABLE_CMA", "1")
     _apply_worker_defaults(env, oneccl_carries=not (ours and local_size == size))

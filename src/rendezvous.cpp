@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <iomanip>
 #include <memory>
@@ -34,20 +35,28 @@ std::string arrived_key(int rank) {
   return "oneccl/arrived/" + std::to_string(rank);
 }
 
+// "0, 2, 5" (at most 16 shown).
+std::string rank_list(const std::vector<int>& ranks) {
+  std::ostringstream out;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i == 16) {
+      out << ", ...";
+      break;
+    }
+    out << (i ? ", " : "") << ranks[i];
+  }
+  return out.str();
+}
+
 // Ranks whose arrival key is absent: only computed on the error path.
 std::string missing_ranks(c10d::Store& store, int size) {
-  std::ostringstream out;
-  int shown = 0;
-  for (int r = 0; r < size; ++r) {
+  std::vector<int> missing;
+  for (int r = 0; r < size && missing.size() <= 16; ++r) {
     if (!store.check({arrived_key(r)})) {
-      if (shown++ == 16) {
-        out << ", ...";
-        break;
-      }
-      out << (shown > 1 ? ", " : "") << r;
+      missing.push_back(r);
     }
   }
-  return shown ? out.str() : std::string("none (they arrived just now)");
+  return missing.empty() ? std::string("none (they arrived just now)") : rank_list(missing);
 }
 
 // "3.0", "1800.0": as torch and the Python side print a timeout.
@@ -59,6 +68,93 @@ std::string seconds_text(std::chrono::milliseconds timeout) {
 
 [[noreturn]] void fail(const std::string& what) {
   C10_THROW_ERROR(DistBackendError, "ccl rendezvous: " + what);
+}
+
+// oneCCL settings every rank must share: where one rank's transport differs from another's,
+// the ranks cannot connect, and oneCCL finds it only inside its communicator creation, where a
+// rank then failed or waited for good (CCL_ATL_SHM on one rank only: one rank's transport failed
+// to start, the other hung tearing down its key-value store). Values as this process read them
+// first, as oneCCL does; unset stays "unset" (oneCCL's default then, alike on every rank).
+const std::string& oneccl_settings() {
+  static const std::string settings = [] {
+    std::string text;
+    for (const char* name : {"CCL_ATL_TRANSPORT", "CCL_ATL_SHM"}) {
+      const char* value = std::getenv(name);
+      text += std::string("\n") + name + "=" + (value ? value : "unset");
+    }
+    return text;
+  }();
+  return settings;
+}
+
+// Called by the last rank to arrive, when every arrival mark is in: which of oneccl_settings()
+// differ between ranks, as a sentence, or "" when they all agree. A mark without settings (one
+// written by hand, as a test's stand-in rank does) is left out.
+std::string settings_disagreement(c10d::Store& store, int size) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) {
+    keys.push_back(arrived_key(r));
+  }
+  // variable -> value -> ranks, values in the order first seen
+  std::vector<std::pair<std::string, std::vector<std::pair<std::string, std::vector<int>>>>> seen;
+  const auto marks = store.multiGet(keys);
+  for (int r = 0; r < size; ++r) {
+    std::istringstream lines(std::string(marks[r].begin(), marks[r].end()));
+    std::string line;
+    std::getline(lines, line); // host/pid
+    while (std::getline(lines, line)) {
+      const auto eq = line.find('=');
+      const std::string name = line.substr(0, eq), value = eq == std::string::npos ? "" : line.substr(eq + 1);
+      auto var = std::find_if(seen.begin(), seen.end(), [&](const auto& v) { return v.first == name; });
+      if (var == seen.end()) {
+        var = seen.insert(seen.end(), {name, {}});
+      }
+      auto val = std::find_if(var->second.begin(), var->second.end(), [&](const auto& v) { return v.first == value; });
+      if (val == var->second.end()) {
+        val = var->second.insert(var->second.end(), {value, {}});
+      }
+      val->second.push_back(r);
+    }
+  }
+  std::string differ;
+  for (const auto& [name, values] : seen) {
+    if (values.size() < 2) {
+      continue;
+    }
+    differ += (differ.empty() ? "" : "; ") + name + " is ";
+    for (size_t i = 0; i < values.size(); ++i) {
+      const auto& [value, ranks] = values[i];
+      differ += std::string(i == 0 ? "" : i + 1 == values.size() ? " and " : ", ") + value + " on rank" +
+          (ranks.size() > 1 ? "s " : " ") + rank_list(ranks);
+    }
+  }
+  if (differ.empty()) {
+    return "";
+  }
+  return "the ranks of this process group have different oneCCL transport settings, which must be the same on "
+         "every rank: " + differ + ". Set them alike on every rank, or leave them unset (oneccl_bind_pt then "
+         "chooses them alike)";
+}
+
+// Makes `reason` the group's failure, unless a rank announced one first (that one stands: a
+// failure can make others fail after it). For ranks past the rendezvous, first; then in place
+// of the mark the last arrival sets, for those in it or still to come (a rank that comes after
+// this one gave up, and sets that mark over this one, finds the failure in its key).
+void set_failure(c10d::Store& store, int rank, const std::string& reason) {
+  const std::vector<uint8_t> bytes(reason.begin(), reason.end());
+  std::vector<uint8_t> first;
+  try {
+    first = store.compareSet(kFailedKey, {}, bytes);
+  } catch (const std::exception&) {
+    // A store without compareSet (one written in Python): not atomic, but the first reason
+    // all the same unless two ranks fail at the same moment.
+    first = store.check({kFailedKey}) ? store.get(kFailedKey) : (store.set(kFailedKey, bytes), bytes);
+  }
+  const std::string mark = kFailedMark + std::string(first.begin(), first.end());
+  store.set(kAllArrivedKey, std::vector<uint8_t>(mark.begin(), mark.end()));
+  if (rank == 0 && !store.check({kAddressKey})) {
+    store.set(kAddressKey, std::vector<uint8_t>{}); // the others wait for it too
+  }
 }
 
 // This process's open sockets, by fd and inode.
@@ -114,6 +210,7 @@ Rendezvous rendezvous(
     std::chrono::milliseconds timeout,
     const std::string& host) {
   const auto seconds = seconds_text(timeout);
+  const std::string& settings = oneccl_settings(); // before anything here starts oneCCL
   NewTcpSockets opened;
   std::shared_ptr<ccl::kvs> kvs;
   try {
@@ -133,13 +230,18 @@ Rendezvous rendezvous(
   // Everybody announces itself, so a timeout can say who never came, and
   // takes a numbered slot among the ranks on its host.
   const std::string pid = std::to_string(getpid());
-  const std::string whoami = host + "/" + pid;
+  const std::string whoami = host + "/" + pid + settings;
   store->set(arrived_key(rank), std::vector<uint8_t>(whoami.begin(), whoami.end()));
   const std::string host_key = "oneccl/host/" + host;
   const int64_t slot = store->add(host_key, 1);
   store->set(host_key + "/" + std::to_string(slot), std::vector<uint8_t>(pid.begin(), pid.end()));
   if (store->add(kArrivedCounter, 1) == size) {
-    store->set(kAllArrivedKey, std::vector<uint8_t>{1});
+    // Checked before any rank passes, so that none enters oneCCL with settings it cannot meet.
+    if (const auto differ = settings_disagreement(*store, size); !differ.empty()) {
+      set_failure(*store, rank, differ);
+    } else {
+      store->set(kAllArrivedKey, std::vector<uint8_t>{1});
+    }
   }
   try {
     store->wait({kAllArrivedKey, kAddressKey}, timeout);
@@ -201,26 +303,8 @@ Rendezvous rendezvous(
 }
 
 void announce_failure(const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::string& why) {
-  const std::string mine = "rank " + std::to_string(rank) + " could not create its side of this process group: " + why;
   try {
-    // The first rank's reason stands: a failure can make others fail after it. For ranks past
-    // the rendezvous, first; then in place of the mark the last arrival sets, for those in it
-    // or still to come (a rank that comes after this one gave up, and sets that mark over this
-    // one, finds the failure in its key).
-    const std::vector<uint8_t> reason(mine.begin(), mine.end());
-    std::vector<uint8_t> first;
-    try {
-      first = store->compareSet(kFailedKey, {}, reason);
-    } catch (const std::exception&) {
-      // A store without compareSet (one written in Python): not atomic, but the first reason
-      // all the same unless two ranks fail at the same moment.
-      first = store->check({kFailedKey}) ? store->get(kFailedKey) : (store->set(kFailedKey, reason), reason);
-    }
-    const std::string mark = kFailedMark + std::string(first.begin(), first.end());
-    store->set(kAllArrivedKey, std::vector<uint8_t>(mark.begin(), mark.end()));
-    if (rank == 0 && !store->check({kAddressKey})) {
-      store->set(kAddressKey, std::vector<uint8_t>{}); // the others wait for it too
-    }
+    set_failure(*store, rank, "rank " + std::to_string(rank) + " could not create its side of this process group: " + why);
   } catch (...) {
     // The store may be unreachable as well: the caller's own error is what matters.
   }

@@ -367,28 +367,47 @@ def test_a_setting_one_rank_refuses_fails_init_on_every_rank_at_once(bad, variab
     assert took < 40, f"the ranks took {took:.0f} s to fail; the group timeout is 60 s"
 
 
-# ONECCL_BIND_PT_SHM=0 on one rank at the first group also gives oneCCL's own transport
-# (CCL_ATL_SHM) a different setting there: its communicator fails on one rank and the other,
-# inside oneCCL's creation, learns it (it waited without a time limit before).
-def test_shared_memory_off_on_one_rank_at_init_fails_every_rank_at_once():
+# ONECCL_BIND_PT_SHM=0 on one rank only, at the first group: the group runs, through oneCCL on
+# every rank (the ranks vote on oneCCL's own shared memory, which must be alike on all of them:
+# before the vote, one rank's oneCCL transport failed to start and the other could hang).
+def _runs_through_oneccl(rank, world):
+    import torch
+
+    assert os.environ["CCL_ATL_SHM"] == "1", os.environ["CCL_ATL_SHM"]
+    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    assert pg._path("allreduce", 4) == "oneccl" and pg._path("allreduce", 1 << 20) == "oneccl"
+    t = torch.arange(1000, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.arange(1000, dtype=torch.float32) * 3)
+    out = [torch.zeros(3) for _ in range(world)]
+    dist.all_gather(out, torch.full((3,), float(rank)))
+    assert [o.tolist() for o in out] == [[0.0] * 3, [1.0] * 3]
+
+
+@pytest.mark.parametrize("off", [0, 1])
+def test_shared_memory_off_on_one_rank_at_init_runs_the_group_through_oneccl(off):
+    run_ranks(_runs_through_oneccl, 2, rank_env={off: {"ONECCL_BIND_PT_SHM": "0"}}, timeout=120)
+
+
+# A oneCCL setting every rank must share, set differently by the user on one rank: every rank
+# refuses the group at the rendezvous, before any enters oneCCL, and names what differs.
+@pytest.mark.parametrize("env, says", [
+    ({1: {"CCL_ATL_SHM": "1"}}, "CCL_ATL_SHM is 0 on rank 0 and 1 on rank 1"),
+    ({0: {"CCL_ATL_TRANSPORT": "mpi"}}, "CCL_ATL_TRANSPORT is mpi on rank 0 and ofi on rank 1"),
+], ids=["atl-shm", "atl-transport"])
+def test_a_oneccl_setting_that_differs_between_ranks_fails_every_rank_at_the_rendezvous(env, says):
     start = time.monotonic()
     with pytest.raises(RankFailure) as caught:
-        run_ranks(_never_runs, 2, rank_env={1: {"ONECCL_BIND_PT_SHM": "0"}}, pg_timeout=60, timeout=150)
+        run_ranks(_never_runs, 2, rank_env=env, pg_timeout=60, timeout=150)
     took = time.monotonic() - start
     text = str(caught.value)
-    # Both ranks' oneCCL transports fail here. Once (CI, AMD VM), oneCCL itself aborted rank 1's
-    # process (SIGABRT, after "kvs_barrier ... Broken pipe" as rank 0 left): a known defect, not
-    # a hang. A rank is allowed that end, not a wait, and every rank that raised says why. (Rank 0
-    # can still wait for good tearing down its key-value store, whose server thread died with
-    # the failed creation: open, see docs/reliability.md.)
-    aborted = [r for r in range(2) if f"rank {r}: no result (hung past 150 s or died, exit code -6)" in text]
-    said = [_raised(text, rank) for rank in range(2) if rank not in aborted]
-    assert said, text
-    assert all(s.startswith("torch.distributed.DistBackendError: ccl: creating the oneCCL communicator") for s in said), text
-    if not aborted:
-        assert any("could not create its side of this process group: creating its oneCCL communicator failed" in s
-                   for s in said), text
-    assert took < 40, f"the ranks took {took:.0f} s to fail; the group timeout is 60 s"
+    for rank in range(2):
+        said = _raised(text, rank)
+        assert said.startswith("torch.distributed.DistBackendError: ccl rendezvous: the ranks of this process group "
+                               "have different oneCCL transport settings"), text
+        assert says in said and said.endswith(f"(rank {rank} gives up on this process group with it)"), text
+    assert "oneCCL:" not in text, text  # refused before oneCCL was asked to connect them
+    assert took < 30, f"the ranks took {took:.0f} s to fail; the group timeout is 60 s"
 
 
 def _peer_never_reaches_oneccl(rank, world):
@@ -462,8 +481,7 @@ def _one_rank_without_shm(rank, world):
 
 # ONECCL_BIND_PT_SHM=0 on one rank only, for a group made after the first: the whole group takes
 # oneCCL (the others waited out the timeout in the shared-memory exchange that rank skipped).
-# (At the first group the ranks would also give oneCCL different transports, CCL_ATL_SHM: its
-# communicator fails there, on every rank at once, as above.)
+# (At the first group, see test_shared_memory_off_on_one_rank_at_init_runs_the_group_through_oneccl.)
 def test_shared_memory_off_on_one_rank_sends_the_group_to_oneccl():
     start = time.monotonic()
     assert run_ranks(_one_rank_without_shm, 2, pg_timeout=60, timeout=150) == ["oneccl", "oneccl"]

@@ -140,17 +140,30 @@ def test_metadata_declares_the_torch_minor_and_the_runtime():
 
 
 def test_defaults_never_override_the_user():
-    store = dist.HashStore()  # only the launcher-less path writes to it
+    store = dist.HashStore()
+    store.add("oneccl/shm/votes", 1)  # rank 1's vote on shared memory (every rank votes on one host)
     env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "CCL_ATL_SHM": "0", "CCL_WORKER_COUNT": "2",
            "TORCH_INCLUDE_STACK_TRACE": "1", "FI_SHM_DISABLE_CMA": "0"}
     _env.apply_ccl_defaults(store, 0, 2, env)
-    assert store.num_keys() == 0
+    assert not store.check(["oneccl/host/0"])  # the launcher said where the ranks are
     assert env["CCL_ATL_SHM"] == "0"
     assert env["TORCH_INCLUDE_STACK_TRACE"] == "1"
     assert env["FI_SHM_DISABLE_CMA"] == "0"
     assert "CCL_WORKER_OFFLOAD" not in env  # the user manages workers
     assert env["CCL_LOCAL_RANK"] == "0" and env["CCL_LOCAL_SIZE"] == "2"
     assert env["CCL_KVS_IFACE"] == "lo"
+
+
+def test_shared_memory_off_on_another_rank_gives_oneccl_its_own_here():
+    # Rank 1 voted with ONECCL_BIND_PT_SHM=0: oneCCL carries the group on every rank, with its
+    # shared memory (CCL_ATL_SHM must be alike on all ranks), and may get workers.
+    store = dist.HashStore()
+    store.add("oneccl/shm/no", 1)
+    store.add("oneccl/shm/votes", 1)
+    env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "ONECCL_BIND_PT_WORKERS": "auto"}
+    _env.apply_ccl_defaults(store, 0, 2, env)
+    assert env["CCL_ATL_SHM"] == "1", env
+    assert _env.workers_why.startswith("auto: ") and "shared memory carries" not in _env.workers_why, _env.workers_why
 
 
 # oneCCL's worker threads (_env.worker_plan): (ONECCL_BIND_PT_WORKERS, oneCCL carries the
@@ -200,9 +213,12 @@ def test_oneccl_workers_variables_and_refusal():
     assert env["CCL_WORKER_OFFLOAD"] == "0" and "CCL_WORKER_COUNT" not in env, env
     assert _env.workers_why == _env.OFF_BY_DEFAULT
     # auto with every rank on this host: our shared memory carries the collectives, oneCCL gets none.
+    store = dist.HashStore()
+    store.add("oneccl/shm/votes", 1)  # rank 1's vote: shared memory on
     env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "ONECCL_BIND_PT_WORKERS": "auto"}
     _env.apply_ccl_defaults(store, 0, 2, env)
     assert env["CCL_WORKER_OFFLOAD"] == "0" and "CCL_WORKER_COUNT" not in env, env
+    assert env["CCL_ATL_SHM"] == "0"
     for mine in ({}, {"CCL_WORKER_COUNT": "1"}):  # refused also where the user manages the workers
         with pytest.raises(ValueError, match="ONECCL_BIND_PT_WORKERS=some is not auto or a whole number from 0 to 64"):
             _env.apply_ccl_defaults(store, 0, 2, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2",

@@ -85,9 +85,9 @@ def _create_backend(store, rank, size, timeout):
     global _defaults_applied
     if not _defaults_applied:
         try:
-            _apply_ccl_defaults(store, rank, size)
+            _apply_ccl_defaults(store, rank, size, timeout=timeout)
         except Exception as e:  # a bad ONECCL_BIND_PT_WORKERS: fail the other ranks at once too
-            _C._announce_failure(store, rank, str(e))
+            _C._announce_failure(store, rank, getattr(e, "announce", None) or str(e))
             raise
         _defaults_applied = True
         # DeepSpeed imports us from inside its own comm module, before that module

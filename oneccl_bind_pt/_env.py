@@ -26,9 +26,9 @@ CCL_ATL_SHM                ``0`` when every rank is on  Ranks on one host exchan
                            this host and has our       through shared memory, not sockets.
                            shared-memory transport     On one host our own transport
                            on, else ``1`` (the ranks   carries every collective and p2p
-                           vote through the Store:     (oneCCL's leaves a 64 MiB file per
-                           oneCCL needs it alike on    rank in /dev/shm whenever a rank is
-                           all of them)                killed); across hosts, or with
+                           tell each other through     (oneCCL's leaves a 64 MiB file per
+                           the Store: oneCCL needs     rank in /dev/shm whenever a rank is
+                           it alike on all of them)    killed); across hosts, or with
                                                        ONECCL_BIND_PT_SHM=0 on any rank,
                                                        oneCCL's is used.
 FI_SHM_DISABLE_CMA         ``1``                       libfabric's shared-memory provider
@@ -82,7 +82,9 @@ import fcntl
 import os
 import socket
 import struct
+import time
 from collections.abc import MutableMapping
+from datetime import timedelta
 
 # Variables this module set, and the value: `doctor` shows them as ours.
 applied: dict[str, str] = {}
@@ -101,50 +103,55 @@ def _set_default(env: MutableMapping[str, str], name: str, value: str) -> None:
         applied[name] = value
 
 
-def _local_layout(store, rank: int, size: int, env: MutableMapping[str, str]) -> tuple[int, int]:
+# The backend's failure key for a group's first creation (rendezvous.cpp): set when a rank
+# announced that it cannot create its side of the group.
+_FAILED_KEY = "oneccl/failed"
+
+
+def _rendezvous_error(text: str, announce: str | None = None):
+    import torch.distributed as dist
+
+    error = dist.DistBackendError("ccl rendezvous: " + text)
+    error.announce = announce  # what the other ranks are told, if not str(error)
+    return error
+
+
+def _exchange(store, rank: int, size: int, name: str, mine: str, timeout: timedelta) -> list[str]:
+    """Every rank's `mine`, by rank, through the store. Waits at most `timeout` (the group's), and
+    less when a rank announces that it cannot create the group. For the first group only."""
+    keys = [f"oneccl/defaults/{name}/{r}" for r in range(size)]
+    store.set(keys[rank], mine)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            # In slices: a rank that failed before it came here is seen within one.
+            store.wait(keys, timedelta(seconds=max(0.001, min(left, 0.5))))
+            return [value.decode() for value in store.multi_get(keys)]
+        except RuntimeError:  # the slice ran out (DistStoreError)
+            pass
+        if store.check([_FAILED_KEY]):
+            raise _rendezvous_error(
+                f"{store.get(_FAILED_KEY).decode()} (rank {rank} gives up on this process group with it)")
+        if left <= 0.5:
+            missing = ", ".join(str(r) for r, key in enumerate(keys) if not store.check([key])) or "none"
+            seconds = f"{timeout.total_seconds():.1f}"
+            raise _rendezvous_error(
+                f"rank {rank} waited {seconds} s for the other ranks of this process group (size {size}); missing "
+                f"ranks: {missing}. Every rank must create the group (init_process_group / new_group) and none may "
+                "have exited.", announce=f"it waited {seconds} s for the other ranks; missing ranks: {missing}")
+
+
+def _local_layout(store, rank: int, size: int, env: MutableMapping[str, str], timeout: timedelta) -> tuple[int, int]:
     """This rank's index among the ranks on its host, and how many there are."""
     for rank_var, size_var in (("LOCAL_RANK", "LOCAL_WORLD_SIZE"), ("MPI_LOCALRANKID", "MPI_LOCALNRANKS")):
         if rank_var in env and size_var in env and int(env.get("WORLD_SIZE", size)) == size:
             return int(env[rank_var]), int(env[size_var])
     # No launcher told us (mp.spawn, hand-written scripts): compare host names.
     host = socket.gethostname()
-    keys = [f"oneccl/host/{r}" for r in range(size)]
-    store.set(keys[rank], host)
-    try:
-        store.wait(keys)
-    except RuntimeError:  # the store's timeout: say who never came
-        import torch.distributed as dist
-
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise dist.DistBackendError(
-            f"ccl rendezvous: rank {rank} waited {store.timeout.total_seconds():.1f} s for the other ranks "
-            f"of this process group (size {size}); missing ranks: {', '.join(map(str, missing)) or 'none'}. "
-            "Every rank must create the group (init_process_group / new_group) and none may have exited."
-        ) from None
-    hosts = [store.get(key).decode() for key in keys]
+    hosts = _exchange(store, rank, size, "host", host, timeout)
     mine = [r for r, h in enumerate(hosts) if h == host]
     return mine.index(rank), len(mine)
-
-
-def _every_rank(store, rank: int, size: int, name: str, mine: bool) -> bool:
-    """Whether `mine` holds on every rank of the group: a vote through the store, a few calls
-    per rank whatever the group's size."""
-    if not mine:
-        store.add(f"oneccl/{name}/no", 1)
-    if store.add(f"oneccl/{name}/votes", 1) == size:
-        store.set(f"oneccl/{name}/voted", "1")
-    try:
-        store.wait([f"oneccl/{name}/voted"])
-    except RuntimeError:  # the store's timeout
-        import torch.distributed as dist
-
-        came = store.add(f"oneccl/{name}/votes", 0)
-        raise dist.DistBackendError(
-            f"ccl rendezvous: rank {rank} waited {store.timeout.total_seconds():.1f} s for the other ranks "
-            f"of this process group (size {size}); {came} of them came. Every rank must create the group "
-            "(init_process_group / new_group) and none may have exited."
-        ) from None
-    return store.add(f"oneccl/{name}/no", 0) == 0
 
 
 def _ipv4_of(interface: str) -> str | None:
@@ -276,9 +283,12 @@ def _apply_worker_defaults(env: MutableMapping[str, str], oneccl_carries: bool) 
     _set_default(env, "CCL_WORKER_AFFINITY", ",".join(map(str, cpus * local_size)))
 
 
-def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str] = os.environ) -> None:
-    """Set oneCCL's variables for the first process group (see the module docstring)."""
-    local_rank, local_size = _local_layout(store, rank, size, env)
+def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str] = os.environ,
+                       timeout: timedelta | None = None) -> None:
+    """Set oneCCL's variables for the first process group (see the module docstring). `timeout`:
+    the group's (by default the store's), for the exchanges with the other ranks."""
+    timeout = timeout or store.timeout
+    local_rank, local_size = _local_layout(store, rank, size, env, timeout)
     _set_default(env, "CCL_PROCESS_LAUNCHER", "none")
     _set_default(env, "CCL_ATL_TRANSPORT", "ofi")
     _set_default(env, "CCL_LOCAL_RANK", str(local_rank))
@@ -288,7 +298,7 @@ def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str
         # Our transport carries a group only where every rank has it on (shm.cpp); oneCCL's
         # shared memory must then be on for all of them alike, or their communicator cannot
         # connect (rendezvous.cpp refuses the group). Across hosts it is on everywhere anyway.
-        ours = _every_rank(store, rank, size, "shm", ours)
+        ours = "0" not in _exchange(store, rank, size, "shm", "1" if ours else "0", timeout)
     _set_default(env, "CCL_ATL_SHM", "0" if ours and local_size == size else "1")
     _set_default(env, "FI_SHM_DISABLE_CMA", "1")
     _apply_worker_defaults(env, oneccl_carries=not (ours and local_size == size))

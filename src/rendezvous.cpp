@@ -4,7 +4,9 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
+#include <iterator>
 #include <iomanip>
 #include <memory>
 #include <set>
@@ -73,58 +75,60 @@ std::string seconds_text(std::chrono::milliseconds timeout) {
 // oneCCL settings every rank must share: where one rank's transport differs from another's,
 // the ranks cannot connect, and oneCCL finds it only inside its communicator creation, where a
 // rank then failed or waited for good (CCL_ATL_SHM on one rank only: one rank's transport failed
-// to start, the other hung tearing down its key-value store). Values as this process read them
-// first, as oneCCL does; unset stays "unset" (oneCCL's default then, alike on every rank).
+// to start, the other hung tearing down its key-value store).
+constexpr const char* kMustAgree[] = {"CCL_ATL_TRANSPORT", "CCL_ATL_SHM"};
+
+// "\nCCL_ATL_TRANSPORT=ofi\nCCL_ATL_SHM=0": as this process read them first, right after
+// oneCCL read its own (ccl::init); lower case, and an unset CCL_ATL_SHM as oneCCL's default.
 const std::string& oneccl_settings() {
   static const std::string settings = [] {
     std::string text;
-    for (const char* name : {"CCL_ATL_TRANSPORT", "CCL_ATL_SHM"}) {
-      const char* value = std::getenv(name);
-      text += std::string("\n") + name + "=" + (value ? value : "unset");
+    for (const char* name : kMustAgree) {
+      const char* set = std::getenv(name);
+      std::string value = set ? set : std::string(name) == "CCL_ATL_SHM" ? "0" : "unset";
+      std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::tolower(c); });
+      text += std::string("\n") + name + "=" + value;
     }
     return text;
   }();
   return settings;
 }
 
-// Called by the last rank to arrive, when every arrival mark is in: which of oneccl_settings()
-// differ between ranks, as a sentence, or "" when they all agree. A mark without settings (one
-// written by hand, as a test's stand-in rank does) is left out.
+// Called by the last rank to arrive, when every arrival mark is in: which of kMustAgree differ
+// between ranks, as a sentence, or "" when they all agree. A mark without them (one written by
+// hand, as a test's stand-in rank does) is left out.
 std::string settings_disagreement(c10d::Store& store, int size) {
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) {
     keys.push_back(arrived_key(r));
   }
-  // variable -> value -> ranks, values in the order first seen
-  std::vector<std::pair<std::string, std::vector<std::pair<std::string, std::vector<int>>>>> seen;
+  constexpr size_t kNames = std::size(kMustAgree);
+  std::vector<std::pair<std::string, std::vector<int>>> seen[kNames]; // per name: value, ranks; first seen first
   const auto marks = store.multiGet(keys);
   for (int r = 0; r < size; ++r) {
     std::istringstream lines(std::string(marks[r].begin(), marks[r].end()));
     std::string line;
     std::getline(lines, line); // host/pid
     while (std::getline(lines, line)) {
-      const auto eq = line.find('=');
-      const std::string name = line.substr(0, eq), value = eq == std::string::npos ? "" : line.substr(eq + 1);
-      auto var = std::find_if(seen.begin(), seen.end(), [&](const auto& v) { return v.first == name; });
-      if (var == seen.end()) {
-        var = seen.insert(seen.end(), {name, {}});
+      for (size_t i = 0; i < kNames; ++i) {
+        const std::string prefix = std::string(kMustAgree[i]) + "=";
+        if (line.rfind(prefix, 0) == 0) {
+          const std::string value = line.substr(prefix.size());
+          auto at = std::find_if(seen[i].begin(), seen[i].end(), [&](const auto& v) { return v.first == value; });
+          (at == seen[i].end() ? seen[i].emplace_back(value, std::vector<int>{}) : *at).second.push_back(r);
+        }
       }
-      auto val = std::find_if(var->second.begin(), var->second.end(), [&](const auto& v) { return v.first == value; });
-      if (val == var->second.end()) {
-        val = var->second.insert(var->second.end(), {value, {}});
-      }
-      val->second.push_back(r);
     }
   }
   std::string differ;
-  for (const auto& [name, values] : seen) {
-    if (values.size() < 2) {
+  for (size_t i = 0; i < kNames; ++i) {
+    if (seen[i].size() < 2) {
       continue;
     }
-    differ += (differ.empty() ? "" : "; ") + name + " is ";
-    for (size_t i = 0; i < values.size(); ++i) {
-      const auto& [value, ranks] = values[i];
-      differ += std::string(i == 0 ? "" : i + 1 == values.size() ? " and " : ", ") + value + " on rank" +
+    differ += (differ.empty() ? "" : "; ") + std::string(kMustAgree[i]) + " is ";
+    for (size_t v = 0; v < seen[i].size(); ++v) {
+      const auto& [value, ranks] = seen[i][v];
+      differ += std::string(v == 0 ? "" : v + 1 == seen[i].size() ? " and " : ", ") + value + " on rank" +
           (ranks.size() > 1 ? "s " : " ") + rank_list(ranks);
     }
   }
@@ -132,8 +136,8 @@ std::string settings_disagreement(c10d::Store& store, int size) {
     return "";
   }
   return "the ranks of this process group have different oneCCL transport settings, which must be the same on "
-         "every rank: " + differ + ". Set them alike on every rank, or leave them unset (oneccl_bind_pt then "
-         "chooses them alike)";
+         "every rank: " + differ + ". Give each the same value on every rank (oneccl_bind_pt chooses them alike "
+         "where you leave them unset)";
 }
 
 // Makes `reason` the group's failure, unless a rank announced one first (that one stands: a
@@ -210,7 +214,7 @@ Rendezvous rendezvous(
     std::chrono::milliseconds timeout,
     const std::string& host) {
   const auto seconds = seconds_text(timeout);
-  const std::string& settings = oneccl_settings(); // before anything here starts oneCCL
+  const std::string& settings = oneccl_settings(); // before rank 0 opens its key-value store
   NewTcpSockets opened;
   std::shared_ptr<ccl::kvs> kvs;
   try {

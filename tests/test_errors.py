@@ -390,7 +390,8 @@ def test_shared_memory_off_on_one_rank_at_init_runs_the_group_through_oneccl(off
 
 
 # A oneCCL setting every rank must share, set differently by the user on one rank: every rank
-# refuses the group at the rendezvous, before any enters oneCCL, and names what differs.
+# refuses the group at the rendezvous, before any creates its oneCCL communicator, and names what
+# differs.
 @pytest.mark.parametrize("env, says", [
     ({1: {"CCL_ATL_SHM": "1"}}, "CCL_ATL_SHM is 0 on rank 0 and 1 on rank 1"),
     ({0: {"CCL_ATL_TRANSPORT": "mpi"}}, "CCL_ATL_TRANSPORT is mpi on rank 0 and ofi on rank 1"),

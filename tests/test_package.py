@@ -1,5 +1,6 @@
 """The installed package: import names, attributes, the torch pin, launcher mapping."""
 
+import datetime
 import importlib.metadata
 import json
 import importlib.util
@@ -8,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -141,11 +143,11 @@ def test_metadata_declares_the_torch_minor_and_the_runtime():
 
 def test_defaults_never_override_the_user():
     store = dist.HashStore()
-    store.add("oneccl/shm/votes", 1)  # rank 1's vote on shared memory (every rank votes on one host)
+    store.set("oneccl/defaults/shm/1", "1")  # rank 1 has shared memory on (the ranks of one host tell each other)
     env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "CCL_ATL_SHM": "0", "CCL_WORKER_COUNT": "2",
            "TORCH_INCLUDE_STACK_TRACE": "1", "FI_SHM_DISABLE_CMA": "0"}
     _env.apply_ccl_defaults(store, 0, 2, env)
-    assert not store.check(["oneccl/host/0"])  # the launcher said where the ranks are
+    assert not store.check(["oneccl/defaults/host/0"])  # the launcher said where the ranks are
     assert env["CCL_ATL_SHM"] == "0"
     assert env["TORCH_INCLUDE_STACK_TRACE"] == "1"
     assert env["FI_SHM_DISABLE_CMA"] == "0"
@@ -155,15 +157,34 @@ def test_defaults_never_override_the_user():
 
 
 def test_shared_memory_off_on_another_rank_gives_oneccl_its_own_here():
-    # Rank 1 voted with ONECCL_BIND_PT_SHM=0: oneCCL carries the group on every rank, with its
-    # shared memory (CCL_ATL_SHM must be alike on all ranks), and may get workers.
+    # Rank 1 has ONECCL_BIND_PT_SHM=0: oneCCL carries the group on every rank, with its shared
+    # memory (CCL_ATL_SHM must be alike on all ranks), and may get workers.
     store = dist.HashStore()
-    store.add("oneccl/shm/no", 1)
-    store.add("oneccl/shm/votes", 1)
+    store.set("oneccl/defaults/shm/1", "0")
     env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "ONECCL_BIND_PT_WORKERS": "auto"}
     _env.apply_ccl_defaults(store, 0, 2, env)
     assert env["CCL_ATL_SHM"] == "1", env
     assert _env.workers_why.startswith("auto: ") and "shared memory carries" not in _env.workers_why, _env.workers_why
+
+
+def test_first_group_exchange_is_bounded_and_hears_of_failures():
+    # Rank 0 of 2 on one host, rank 1 never comes: the group's timeout, rank 1 named, and the
+    # short reason the other ranks are told.
+    env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}
+    start = time.monotonic()
+    with pytest.raises(dist.DistBackendError, match=r"^ccl rendezvous: rank 0 waited 1\.0 s for the other ranks of "
+                       r"this process group \(size 2\); missing ranks: 1\.") as caught:
+        _env.apply_ccl_defaults(dist.HashStore(), 0, 2, dict(env), timeout=datetime.timedelta(seconds=1))
+    assert 1 <= time.monotonic() - start < 10
+    assert caught.value.announce == "it waited 1.0 s for the other ranks; missing ranks: 1"
+    # A rank announced that it cannot create the group: given up on within a slice, not the timeout.
+    store = dist.HashStore()
+    store.set("oneccl/failed", "rank 1 could not create its side of this process group: because")
+    start = time.monotonic()
+    with pytest.raises(dist.DistBackendError, match=r"^ccl rendezvous: rank 1 could not create its side of this "
+                       r"process group: because \(rank 0 gives up on this process group with it\)$"):
+        _env.apply_ccl_defaults(store, 0, 2, dict(env), timeout=datetime.timedelta(seconds=60))
+    assert time.monotonic() - start < 10
 
 
 # oneCCL's worker threads (_env.worker_plan): (ONECCL_BIND_PT_WORKERS, oneCCL carries the
@@ -214,7 +235,7 @@ def test_oneccl_workers_variables_and_refusal():
     assert _env.workers_why == _env.OFF_BY_DEFAULT
     # auto with every rank on this host: our shared memory carries the collectives, oneCCL gets none.
     store = dist.HashStore()
-    store.add("oneccl/shm/votes", 1)  # rank 1's vote: shared memory on
+    store.set("oneccl/defaults/shm/1", "1")  # rank 1 has shared memory on
     env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "ONECCL_BIND_PT_WORKERS": "auto"}
     _env.apply_ccl_defaults(store, 0, 2, env)
     assert env["CCL_WORKER_OFFLOAD"] == "0" and "CCL_WORKER_COUNT" not in env, env

@@ -126,6 +126,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             parts.append(f"{label}: " + ", ".join(f"{n} {outcome}" for outcome, n in got.items()))
     if counts:
         terminalreporter.write_line("per transport: " + "; ".join(parts))
+    # The release pairs' steps (test_other_releases.py): most of a CI run's time.
+    took = sorted({value for reports in terminalreporter.stats.values() for report in reports
+                   for name, value in getattr(report, "user_properties", None) or () if name == "took"})
+    for line in took:
+        terminalreporter.write_line(f"took: {line}")
     return result
 
 

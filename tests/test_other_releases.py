@@ -103,13 +103,12 @@ def proven(request, tmp_path_factory):
     venv = WORK / "check" / f"venv-torch{pair['torch']}-py{pair['python']}"
     # Its build venv and the proof venv's CUDA torch: about 7 GB.
     waited = wait_for_disk(ROOT, 8, f"{_id(pair)}'s build and proof venvs")
-    if waited > 1:
-        print(f"{_id(pair)}: waited {waited:.0f} s for disk", file=sys.stderr)
     start = time.monotonic()
     if pair.get("release_command"):
         built = checked = _via_release_command(pair, tmp_path_factory.mktemp("release"), dist)
-        print(f"{_id(pair)}: make_release {time.monotonic() - start:.0f} s", file=sys.stderr)
-        yield {"pair": pair, "dist": dist, "venv": None, "built": built, "checked": checked, "subset": built}
+        took = f"{_id(pair)}: make_release {time.monotonic() - start:.0f} s (waited {waited:.0f} s for disk)"
+        yield {"pair": pair, "dist": dist, "venv": None, "built": built, "checked": checked, "subset": built,
+               "took": took}
         return
     built = _run([sys.executable, "scripts/build_wheels.py", *select, "--dist", dist, "--work", WORK,
                   *(["--from-sdist"] if pair["from_sdist"] else []), *PRUNE], timeout=3600)
@@ -121,16 +120,18 @@ def proven(request, tmp_path_factory):
     try:
         start = time.monotonic()
         subset = prove_subset(venv, META, pair["torch"], pair["subset"])
-        print(f"{_id(pair)}: build {build_s:.0f} s, wheel check {check_s:.0f} s, subset {pair['subset']} "
-              f"{time.monotonic() - start:.0f} s", file=sys.stderr)
-        yield {"pair": pair, "dist": dist, "venv": venv, "built": built, "checked": checked, "subset": subset}
+        took = (f"{_id(pair)}: build {build_s:.0f} s, wheel check {check_s:.0f} s, subset {pair['subset']} "
+                f"{time.monotonic() - start:.0f} s (waited {waited:.0f} s for disk)")
+        yield {"pair": pair, "dist": dist, "venv": venv, "built": built, "checked": checked, "subset": subset,
+               "took": took}
     finally:
         # About 5.5 GB (a CUDA torch) and made fresh every run: gone before the next pair's.
         shutil.rmtree(venv, ignore_errors=True)
 
 
-def test_wheel_is_manylinux_and_trains_from_a_fresh_venv(proven):
+def test_wheel_is_manylinux_and_trains_from_a_fresh_venv(proven, record_property):
     pair = proven["pair"]
+    record_property("took", proven["took"])  # the run's summary lists where CI's time went
     tag = f"cp{pair['python'].replace('.', '')}"
     wheels = list(proven["dist"].glob(f"oneccl_bind_pt-{pair['torch']}-{tag}-{tag}-manylinux_2_*_x86_64.whl"))
     assert len(wheels) == 1, sorted(p.name for p in proven["dist"].iterdir())
@@ -151,7 +152,7 @@ def test_wheel_for_another_python_is_refused_by_pip(proven):
     assert proc.returncode != 0 and "is not a supported wheel on this platform" in proc.stderr, proc.stderr
 
 
-def test_conda_package_on_the_pairs_python(proven, tmp_path):
+def test_conda_package_on_the_pairs_python(proven, tmp_path, record_property):
     """The offline conda proof (tests/test_conda.py) for the pair marked `conda`: another
     Python's interpreter, whose torch on PyPI is a CUDA build (its nvidia-* stand-ins too)."""
     pair = proven["pair"]
@@ -171,7 +172,7 @@ def test_conda_package_on_the_pairs_python(proven, tmp_path):
         shutil.rmtree(cache, ignore_errors=True)
         shutil.rmtree(tmp_path / "work", ignore_errors=True)
     assert rep["python"] == pair["python"] and rep["torch"] == pair["torch"], rep
-    print(f"{_id(pair)}: conda proof {time.monotonic() - start:.0f} s (waited {waited:.0f} s for disk)", file=sys.stderr)
+    record_property("took", f"{_id(pair)}: conda proof {time.monotonic() - start:.0f} s (waited {waited:.0f} s for disk)")
 
 
 def test_installed_wheel_passes_the_subset(proven):

@@ -96,49 +96,67 @@ def _via_release_command(pair, tmp, dist):
 
 @pytest.fixture(scope="module", params=PAIRS, ids=_id)
 def proven(request, tmp_path_factory):
-    """The pair's wheel built, proven in a fresh venv, and the pair's subset run against it."""
+    """The pair's wheel built, proven in a fresh venv, and the pair's subset run against it: what
+    each step gave, under its name, up to the first that failed (its error under "failed").
+
+    It never raises: after a module-scoped fixture raised for one pair, pytest errored every
+    later pair on that worker without running it (an internal assertion in its fixture teardown),
+    so one pair's failure hid whether the others worked."""
     pair = request.param
-    dist = tmp_path_factory.mktemp("dist")
+    proof = {"pair": pair, "dist": tmp_path_factory.mktemp("dist"), "venv": None}
     select = ["--torch", pair["torch"], "--python", pair["python"]]
     venv = WORK / "check" / f"venv-torch{pair['torch']}-py{pair['python']}"
-    # Its build venv and the proof venv's CUDA torch: about 7 GB.
-    waited = wait_for_disk(ROOT, 8, f"{_id(pair)}'s build and proof venvs")
-    start = time.monotonic()
-    if pair.get("release_command"):
-        built = checked = _via_release_command(pair, tmp_path_factory.mktemp("release"), dist)
-        took = f"{_id(pair)}: make_release {time.monotonic() - start:.0f} s (waited {waited:.0f} s for disk)"
-        yield {"pair": pair, "dist": dist, "venv": None, "built": built, "checked": checked, "subset": built,
-               "took": took}
-        return
-    built = _run([sys.executable, "scripts/build_wheels.py", *select, "--dist", dist, "--work", WORK,
-                  *(["--from-sdist"] if pair["from_sdist"] else []), *PRUNE], timeout=3600)
-    build_s = time.monotonic() - start
-    start = time.monotonic()
-    checked = _run([sys.executable, "scripts/check_wheel.py", *select, "--dist", dist, "--work", WORK / "check",
-                    "--keep"], timeout=3600)
-    check_s = time.monotonic() - start
+    took = []
     try:
+        # Its build venv and the proof venv's CUDA torch: about 7 GB.
+        waited = wait_for_disk(ROOT, 8, f"{_id(pair)}'s build and proof venvs")
+        took.append(f"waited {waited:.0f} s for disk")
         start = time.monotonic()
-        subset = prove_subset(venv, META, pair["torch"], pair["subset"])
-        took = (f"{_id(pair)}: build {build_s:.0f} s, wheel check {check_s:.0f} s, subset {pair['subset']} "
-                f"{time.monotonic() - start:.0f} s (waited {waited:.0f} s for disk)")
-        yield {"pair": pair, "dist": dist, "venv": venv, "built": built, "checked": checked, "subset": subset,
-               "took": took}
+        if pair.get("release_command"):
+            proof["built"] = proof["checked"] = proof["subset"] = _via_release_command(
+                pair, tmp_path_factory.mktemp("release"), proof["dist"])
+            took.append(f"make_release {time.monotonic() - start:.0f} s")
+        else:
+            proof["built"] = _run([sys.executable, "scripts/build_wheels.py", *select, "--dist", proof["dist"], "--work",
+                                   WORK, *(["--from-sdist"] if pair["from_sdist"] else []), *PRUNE], timeout=3600)
+            took.append(f"build {time.monotonic() - start:.0f} s")
+            start = time.monotonic()
+            proof["checked"] = _run([sys.executable, "scripts/check_wheel.py", *select, "--dist", proof["dist"], "--work",
+                                     WORK / "check", "--keep"], timeout=3600)
+            proof["venv"] = venv
+            took.append(f"wheel check {time.monotonic() - start:.0f} s")
+            start = time.monotonic()
+            proof["subset"] = prove_subset(venv, META, pair["torch"], pair["subset"])
+            took.append(f"subset {pair['subset']} {time.monotonic() - start:.0f} s")
+    except (Exception, SystemExit) as e:  # a failed step exits with its output (make_release.step)
+        proof["failed"] = f"{type(e).__name__}: {e}"
+        took.append("then failed")
+    proof["took"] = f"{_id(pair)}: " + ", ".join(took)
+    try:
+        yield proof
     finally:
         # About 5.5 GB (a CUDA torch) and made fresh every run: gone before the next pair's.
         shutil.rmtree(venv, ignore_errors=True)
 
 
+def _step(proven, name):
+    """What the pair's step `name` gave, or this test fails with the error of the step that failed."""
+    if name not in proven:
+        pytest.fail(f"{_id(proven['pair'])}: {proven['failed']}", pytrace=False)
+    return proven[name]
+
+
 def test_wheel_is_manylinux_and_trains_from_a_fresh_venv(proven, record_property):
     pair = proven["pair"]
     record_property("took", proven["took"])  # the run's summary lists where CI's time went
+    built, checked = _step(proven, "built"), _step(proven, "checked")
     tag = f"cp{pair['python'].replace('.', '')}"
     wheels = list(proven["dist"].glob(f"oneccl_bind_pt-{pair['torch']}-{tag}-{tag}-manylinux_2_*_x86_64.whl"))
     assert len(wheels) == 1, sorted(p.name for p in proven["dist"].iterdir())
-    assert "twine check --strict passed" in proven["built"], proven["built"]
-    assert "wheels trained with equal checksums" in proven["checked"], proven["checked"]
-    no_import = "no-import script trained on ccl through the entry point" in proven["checked"]
-    assert no_import == pair["no_import"], proven["checked"]
+    assert "twine check --strict passed" in built, built
+    assert "wheels trained with equal checksums" in checked, checked
+    no_import = "no-import script trained on ccl through the entry point" in checked
+    assert no_import == pair["no_import"], checked
 
 
 def test_wheel_for_another_python_is_refused_by_pip(proven):
@@ -146,6 +164,7 @@ def test_wheel_for_another_python_is_refused_by_pip(proven):
     pair = proven["pair"]
     if pair["python"] == f"{sys.version_info[0]}.{sys.version_info[1]}":
         pytest.skip("the pair's Python is this one")
+    _step(proven, "built")
     wheel = next(proven["dist"].glob("oneccl_bind_pt-*.whl"))
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", str(wheel)],
                           capture_output=True, text=True, timeout=300)
@@ -158,6 +177,7 @@ def test_conda_package_on_the_pairs_python(proven, tmp_path, record_property):
     pair = proven["pair"]
     if not pair.get("conda"):
         pytest.skip(f"the conda proof runs on the pair marked conda in meta/releases.yaml, not {_id(pair)}")
+    _step(proven, "checked")
     _run([proven["venv"] / "bin" / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
           "--no-compile", *META["pip"]["conda"]["pins"]], timeout=1800)
     waited = wait_for_disk(tmp_path, 10, f"{_id(pair)}'s conda proof")
@@ -180,5 +200,6 @@ def test_installed_wheel_passes_the_subset(proven):
     if proven["pair"]["subset"] == "none":
         pytest.skip("this pair's proof is its wheel's DDP under torchrun and mpirun (subset: none)")
     # Counted, not searched for " failed": the per-transport closing line says "0 failed".
-    assert re.search(r"\b\d+ passed\b", proven["subset"]), proven["subset"]
-    assert not re.search(r"\b[1-9]\d* (failed|errors?)\b", proven["subset"]), proven["subset"]
+    subset = _step(proven, "subset")
+    assert re.search(r"\b\d+ passed\b", subset), subset
+    assert not re.search(r"\b[1-9]\d* (failed|errors?)\b", subset), subset

@@ -175,7 +175,7 @@ def test_first_group_exchange_is_bounded_and_hears_of_failures():
     with pytest.raises(dist.DistBackendError, match=r"^ccl rendezvous: rank 0 waited 1\.0 s for the other ranks of "
                        r"this process group \(size 2\); missing ranks: 1\.") as caught:
         _env.apply_ccl_defaults(dist.HashStore(), 0, 2, dict(env), timeout=datetime.timedelta(seconds=1))
-    assert 1 <= time.monotonic() - start < 10
+    assert 0.9 <= time.monotonic() - start < 10  # a store's wait may wake a few microseconds early
     assert caught.value.announce == "it waited 1.0 s for the other ranks; missing ranks: 1"
     # A rank announced that it cannot create the group: given up on within a slice, not the timeout.
     store = dist.HashStore()

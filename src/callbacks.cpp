@@ -1,4 +1,5 @@
 #include "callbacks.hpp"
+#include "made_once.hpp"
 
 #include <c10/util/Exception.h>
 
@@ -22,10 +23,16 @@ thread_local Callbacks::Lane tl_child_lane = 0;
 
 } // namespace
 
+namespace {
+std::atomic<Callbacks*> g_callbacks{nullptr};
+} // namespace
+
 Callbacks& Callbacks::get() {
-  // Leaked on purpose: runners are detached and may outlive static destructors.
-  static Callbacks* instance = new Callbacks();
-  return *instance;
+  return made_once(g_callbacks, [] { return new Callbacks(); });
+}
+
+void Callbacks::forget_in_child() {
+  g_callbacks.store(nullptr, std::memory_order_relaxed);
 }
 
 Callbacks::Lane Callbacks::lane_for_new_work() {

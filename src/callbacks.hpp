@@ -32,6 +32,9 @@ class Callbacks {
   static constexpr std::chrono::milliseconds kStuckAfter{20};
 
   static Callbacks& get();
+  // In a forked child: the next get() makes a fresh one (the parent's runners are not
+  // there, and one may have held the lock at the fork).
+  static void forget_in_child();
 
   // The lane for the completion of an op the calling thread issues now.
   Lane lane_for_new_work();

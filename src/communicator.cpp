@@ -2,6 +2,7 @@
 
 #include "dtypes.hpp"
 #include "errors.hpp"
+#include "made_once.hpp"
 #include "rendezvous.hpp"
 #include "shm.hpp"
 
@@ -86,9 +87,10 @@ struct HooksInFlight {
   int running = 0;
 };
 
+std::atomic<HooksInFlight*> g_hooks{nullptr};
+
 HooksInFlight& hooks_in_flight() {
-  static auto* hooks = new HooksInFlight(); // leaked: hook threads may outlive static destructors
-  return *hooks;
+  return made_once(g_hooks, [] { return new HooksInFlight(); });
 }
 
 // Whether rank 0's oneCCL key-value store still answers. Its server lives in
@@ -513,6 +515,18 @@ void Communicator::unlink_segments_of_dead_peers() {
 }
 
 Communicator::~Communicator() {
+  if (getpid() != pid_) {
+    // A forked child's copy (freed as its interpreter exits): oneCCL's objects share the
+    // parent's sockets, and their teardown would speak to the group's key-value store as the
+    // parent and join threads the child does not have. Left, never freed.
+    struct Left {
+      std::optional<ccl::communicator> comm;
+      std::shared_ptr<ccl::kvs> kvs;
+      std::unique_ptr<CclTransport> ccl;
+    };
+    (void)new Left{std::move(comm_), std::move(kvs_), std::move(ccl_)};
+    return;
+  }
   // oneCCL's teardown talks to the group's key-value store, which rank 0
   // hosts; if rank 0 has already exited (its group broke, or it was killed),
   // oneCCL throws from a destructor and aborts the process. So a group that
@@ -680,11 +694,18 @@ struct Aborts {
   std::chrono::steady_clock::time_point last_end{};
 };
 
+std::atomic<Aborts*> g_aborts{nullptr};
+
 Aborts& aborts() {
-  static auto* all = new Aborts(); // leaked: an abort may outlive static destructors
-  return *all;
+  return made_once(g_aborts, [] { return new Aborts(); });
 }
 } // namespace
+
+void forget_exit_waits_in_child() {
+  // The parent's counts are of its threads, and one of them may have held a lock at the fork.
+  g_hooks.store(nullptr, std::memory_order_relaxed);
+  g_aborts.store(nullptr, std::memory_order_relaxed);
+}
 
 AbortInProgress::AbortInProgress() {
   std::lock_guard<std::mutex> lock(aborts().mutex);

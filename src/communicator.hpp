@@ -21,6 +21,9 @@
 #include <type_traits>
 #include <vector>
 
+#include <sys/types.h>
+#include <unistd.h>
+
 namespace oneccl_bind_pt {
 
 class Shm;
@@ -53,6 +56,9 @@ class AbortInProgress {
 // that is ended by pthread_exit, and the unwinding through the C++ frames of
 // torch's binding calls std::terminate: SIGABRT at exit (measured, fault matrix).
 void settle_aborts(std::chrono::milliseconds limit);
+
+// In a forked child: the two waits above start afresh (made_once.hpp).
+void forget_exit_waits_in_child();
 
 class Communicator {
  public:
@@ -140,6 +146,7 @@ class Communicator {
       std::optional<std::chrono::milliseconds> limit = {},
       Inline fallback = Inline::kAllowed) const;
 
+  const pid_t pid_ = getpid(); // the process that made it: a forked child's copy is left (destructor)
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
   int size_;

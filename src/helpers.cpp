@@ -288,14 +288,10 @@ class Pool {
   unsigned csr_ = 0;
 };
 
-// Made at the first split; a forked child (whose copy has no threads) makes its own.
+// Made at the first split; a forked child (whose copy has no threads) makes its own
+// (forget_helpers_in_child).
 std::atomic<Pool*> g_pool{nullptr};
 pthread_mutex_t g_making = PTHREAD_MUTEX_INITIALIZER;
-
-void forget_pool_in_child() {
-  g_pool.store(nullptr, std::memory_order_relaxed); // the parent's: left, its threads are not here
-  pthread_mutex_init(&g_making, nullptr);
-}
 
 Pool* pool() {
   Pool* p = g_pool.load(std::memory_order_acquire);
@@ -308,8 +304,6 @@ Pool* pool() {
   } unlock;
   p = g_pool.load(std::memory_order_acquire);
   if (!p) {
-    static const bool registered = (pthread_atfork(nullptr, nullptr, forget_pool_in_child), true);
-    (void)registered;
     p = new Pool(helper_plan().count); // lives as long as the process
     g_pool.store(p, std::memory_order_release);
   }
@@ -317,6 +311,11 @@ Pool* pool() {
 }
 
 } // namespace
+
+void forget_helpers_in_child() {
+  g_pool.store(nullptr, std::memory_order_relaxed); // the parent's: left, its threads are not here
+  pthread_mutex_init(&g_making, nullptr);
+}
 
 RankCores rank_cores(int local) {
   local = std::max(1, local);

@@ -51,4 +51,7 @@ const HelperPlan& helper_plan();
 using Part = void (*)(void* ctx, size_t lo, size_t hi);
 void split(size_t total, size_t align, size_t min_per_piece, Part part, void* ctx);
 
+// In a forked child: the next split makes the child's own pool (made_once.hpp says why).
+void forget_helpers_in_child();
+
 } // namespace oneccl_bind_pt

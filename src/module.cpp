@@ -9,6 +9,7 @@
 #include "work.hpp"
 
 #include <pybind11/chrono.h>
+#include <pthread.h>
 #include <torch/csrc/utils/pybind.h>
 
 namespace py = pybind11;
@@ -42,6 +43,17 @@ void register_error_types(py::object value_error, py::object type_error) {
   });
 }
 
+// A child forked after the parent made its threads (progress, callbacks, helpers) makes its
+// own at first use, so that its exit and any group it creates do not wait on a lock that a
+// thread it does not have held at the fork (measured: a forked child hung for good in
+// Progress::shutdown at its exit).
+void forget_process_state_in_child() {
+  oneccl_bind_pt::Progress::forget_in_child();
+  oneccl_bind_pt::Callbacks::forget_in_child();
+  oneccl_bind_pt::forget_exit_waits_in_child();
+  oneccl_bind_pt::forget_helpers_in_child();
+}
+
 std::string runtime_ccl_version() {
   const auto v = ccl::get_library_version();
   return v.full ? std::string(v.full) : std::to_string(v.major) + "." + std::to_string(v.minor);
@@ -54,6 +66,7 @@ PYBIND11_MODULE(_C, m) {
 
   // The base class must be known to pybind11 before we derive from it.
   py::module::import("torch.distributed");
+  pthread_atfork(nullptr, nullptr, forget_process_state_in_child);
 
   py::class_<
       oneccl_bind_pt::ProcessGroupCCL,

@@ -10,7 +10,6 @@
 #include <array>
 #include <atomic>
 #include <functional>
-#include <mutex>
 
 namespace oneccl_bind_pt {
 
@@ -202,11 +201,11 @@ std::shared_ptr<const Reduction> resolve_reduction(
   }
   // Every collective with a reduce op comes here: a lock-free read of a table by
   // (op, dtype). Building an entry copies a oneCCL attribute and allocates, so it
-  // is made once, under a lock, and kept for the process (at most kOps x kTypes).
+  // is made once and kept for the process (at most kOps x kTypes). No lock: one a
+  // thread held when the process forked would stay held in the child.
   constexpr size_t kOps = 16;
   constexpr size_t kTypes = 64;
   static std::array<std::atomic<const Reduction*>, kOps * kTypes> made{};
-  static std::mutex making;
   const auto o = static_cast<size_t>(op.op_);
   const auto d = static_cast<size_t>(dtype);
   if (o >= kOps || d >= kTypes) { // not a reduce op or dtype of this torch: the refusal
@@ -216,12 +215,9 @@ std::shared_ptr<const Reduction> resolve_reduction(
   const Reduction* r = slot.load(std::memory_order_acquire);
   if (!r) {
     auto fresh = std::make_unique<const Reduction>(make_reduction(op_name, op, dtype)); // throws if refused
-    std::lock_guard<std::mutex> lock(making);
-    r = slot.load(std::memory_order_acquire);
-    if (!r) {
+    if (slot.compare_exchange_strong(r, fresh.get(), std::memory_order_acq_rel)) {
       r = fresh.release();
-      slot.store(r, std::memory_order_release);
-    }
+    } // else r is the entry another thread made first, and ours goes
   }
   // Not owned: the entry lives as long as the process.
   return std::shared_ptr<const Reduction>(std::shared_ptr<const Reduction>(), r);

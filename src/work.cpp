@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "errors.hpp"
+#include "made_once.hpp"
 
 #include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
@@ -313,10 +314,16 @@ std::vector<at::Tensor> WorkCCL::result() {
   return outputs_;
 }
 
+namespace {
+std::atomic<Progress*> g_progress{nullptr};
+} // namespace
+
 Progress& Progress::get() {
-  // Leaked on purpose: in-flight Works may outlive every static destructor.
-  static Progress* instance = new Progress();
-  return *instance;
+  return made_once(g_progress, [] { return new Progress(); });
+}
+
+void Progress::forget_in_child() {
+  g_progress.store(nullptr, std::memory_order_relaxed);
 }
 
 void Progress::track(c10::intrusive_ptr<WorkCCL> work) {

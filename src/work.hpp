@@ -132,6 +132,10 @@ class WorkCCL : public c10d::Work {
 class Progress {
  public:
   static Progress& get();
+  // In a forked child: the next get() makes a fresh one. The parent's copy is left as it is
+  // (never freed): a thread the child does not have may hold its lock, and its Works belong
+  // to the parent's groups.
+  static void forget_in_child();
 
   std::mutex& ccl_mutex() { return mutex_; }
   // Caller holds ccl_mutex().

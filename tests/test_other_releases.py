@@ -171,6 +171,7 @@ def test_wheel_for_another_python_is_refused_by_pip(proven):
     assert proc.returncode != 0 and "is not a supported wheel on this platform" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # 8-10 min, a sixth of CI's time: --runslow (the default pair's proof runs on every CI run)
 def test_conda_package_on_the_pairs_python(proven, tmp_path, record_property):
     """The offline conda proof (tests/test_conda.py) for the pair marked `conda`: another
     Python's interpreter, whose torch on PyPI is a CUDA build (its nvidia-* stand-ins too)."""

@@ -515,7 +515,7 @@ void Communicator::unlink_segments_of_dead_peers() {
 }
 
 Communicator::~Communicator() {
-  if (getpid() != pid_) {
+  if (inherited()) {
     // A forked child's copy (freed as its interpreter exits): oneCCL's objects share the
     // parent's sockets, and their teardown would speak to the group's key-value store as the
     // parent and join threads the child does not have. Left, never freed.
@@ -738,6 +738,10 @@ void settle_aborts(std::chrono::milliseconds limit) {
 }
 
 std::string Communicator::broken_reason() const {
+  if (inherited()) { // before the lock, which a parent's thread may have held at the fork
+    return "it was made in the parent of this forked process, and its peers, connections and shared memory are "
+           "the parent's";
+  }
   std::lock_guard<std::mutex> lock(why_mutex_);
   return why_;
 }

@@ -5,6 +5,7 @@
 // group is on this host (route.hpp says which runs what).
 #pragma once
 
+#include "made_once.hpp"
 #include "transport_ccl.hpp"
 
 #include <oneapi/ccl.hpp>
@@ -20,9 +21,6 @@
 #include <string>
 #include <type_traits>
 #include <vector>
-
-#include <sys/types.h>
-#include <unistd.h>
 
 namespace oneccl_bind_pt {
 
@@ -97,7 +95,10 @@ class Communicator {
   // peers may sit in different collectives: nothing more can run safely.
   // True for the call that broke it.
   bool mark_broken(const std::string& why);
-  bool broken() const { return broken_.load(std::memory_order_acquire); }
+  // Also in a forked child, whose copy of the group is the parent's (its peers, its
+  // sockets, its shared memory): it refuses every op, and shutdown() and abort() leave it.
+  bool broken() const { return broken_.load(std::memory_order_acquire) || inherited(); }
+  bool inherited() const { return g_forks.load(std::memory_order_relaxed) != forks_; }
   std::string broken_reason() const;
 
   // After an op of this group timed out here: a roll call through the group's store. This
@@ -146,7 +147,7 @@ class Communicator {
       std::optional<std::chrono::milliseconds> limit = {},
       Inline fallback = Inline::kAllowed) const;
 
-  const pid_t pid_ = getpid(); // the process that made it: a forked child's copy is left (destructor)
+  const unsigned forks_ = g_forks.load(std::memory_order_relaxed); // inherited()
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
   int size_;

@@ -9,6 +9,11 @@
 
 namespace oneccl_bind_pt {
 
+// Forks between the process that loaded the module and this one: 0 there, counted up in each
+// child by the same handler. An object that records it at its making can tell whether it is
+// a forked child's copy (Communicator::inherited).
+inline std::atomic<unsigned> g_forks{0};
+
 // The object in `slot`, made by `make()` (a new T) at first use and never freed: threads
 // and in-flight work may outlive every static destructor.
 template <class T, class Make>

@@ -2,6 +2,7 @@
 // The Python package registers the backend with torch.distributed on import.
 #include "errors.hpp"
 #include "helpers.hpp"
+#include "made_once.hpp"
 #include "kernels.hpp"
 #include "process_group_ccl.hpp"
 #include "raw.hpp"
@@ -44,10 +45,11 @@ void register_error_types(py::object value_error, py::object type_error) {
 }
 
 // A child forked after the parent made its threads (progress, callbacks, helpers) makes its
-// own at first use, so that its exit and any group it creates do not wait on a lock that a
-// thread it does not have held at the fork (measured: a forked child hung for good in
-// Progress::shutdown at its exit).
+// own at first use, so that its exit does not wait on a lock that a thread it does not have
+// held at the fork (measured: a forked child hung for good in Progress::shutdown at its exit).
+// The parent's groups refuse it (Communicator::inherited).
 void forget_process_state_in_child() {
+  oneccl_bind_pt::g_forks.fetch_add(1, std::memory_order_relaxed);
   oneccl_bind_pt::Progress::forget_in_child();
   oneccl_bind_pt::Callbacks::forget_in_child();
   oneccl_bind_pt::forget_exit_waits_in_child();

@@ -61,6 +61,9 @@ ProcessGroupCCL::ProcessGroupCCL(
 ProcessGroupCCL::~ProcessGroupCCL() = default;
 
 void ProcessGroupCCL::abort() {
+  if (comm_->inherited()) {
+    return; // the parent's group: nothing of it to stop here, and its store is the parent's
+  }
   const AbortInProgress in_progress; // the interpreter's exit waits for it (settle_aborts)
   // A drain with no time to wait: whether this group has ops in flight.
   const bool ops_in_flight = !Progress::get().drain(*comm_, Clock::now());
@@ -69,6 +72,9 @@ void ProcessGroupCCL::abort() {
 }
 
 void ProcessGroupCCL::shutdown() {
+  if (comm_->inherited()) {
+    return; // destroy_process_group() in a forked child leaves the parent's group alone
+  }
   // A group that already failed (a peer died, an op timed out) is not drained:
   // progressing its other ops would only take this rank back into oneCCL with
   // a dead peer, where (measured, under load) a survivor spun for good or died
@@ -183,6 +189,10 @@ std::string ProcessGroupCCL::staging_chunk() const {
 // transport, and, when they finish at once (small ops on shared memory
 // often do), completion without a trip through the progress engine.
 c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::run(Call&& call) {
+  if (comm_->inherited()) {
+    C10_THROW_ERROR(DistBackendError, std::string("ccl ") + call.op.name +
+                                          ": this process group cannot be used here: " + comm_->broken_reason());
+  }
   TORCH_CHECK(
       !comm_->broken(), "ccl ", call.op.name,
       ": this process group is unusable after an earlier failure: ", comm_->broken_reason());

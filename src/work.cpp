@@ -249,6 +249,11 @@ bool WorkCCL::wait(std::chrono::milliseconds timeout) {
       std::vector<c10::IValue>());
   auto& progress = Progress::get();
   const auto limit = timeout == kNoTimeout ? Clock::time_point::max() : Clock::now() + timeout;
+  if (!done_.load(std::memory_order_acquire) && comm_->inherited()) {
+    // Nothing in this process progresses it: it is the parent's op.
+    C10_THROW_ERROR(DistBackendError, "ccl " + describe() + ": cannot be waited for here: its process group " +
+                                          comm_->broken_reason());
+  }
   if (!done_.load(std::memory_order_acquire)) {
     // Counted while here, however this returns: the background thread leaves Futures to
     // waiters while there are any.

@@ -1,11 +1,13 @@
 """Each rank in turn forks while its ops wait for the other rank (the progress thread and a
-callback lane busy), and the child leaves through the interpreter's normal exit (atexit, the
-group freed by finalization). Prints how the child ended; then the group must still work.
+callback lane busy); the child finds the parent's group refusing it, destroys it, and leaves
+through the interpreter's normal exit (atexit, finalizers). Then both fork with nothing in
+flight. Prints how each child ended; then the parent's group must still work.
 
 gloo is no reference here: its forked children hang for good at that exit (~ProcessGroupGloo
 waits for worker threads the child does not have)."""
 
 import datetime
+import gc
 import os
 import sys
 import time
@@ -26,6 +28,36 @@ print(f"rank {rank}: transport {path}", flush=True)
 dist.all_reduce(big)  # a large op first: helper threads, where there are any, are made by now
 
 
+def reap(pid):
+    """How the child ended, waiting at most CHILD_LIMIT."""
+    start = time.monotonic()
+    while not (ended := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < start + CHILD_LIMIT:
+        time.sleep(0.02)
+    if ended[0]:
+        return f"exited {os.waitstatus_to_exitcode(ended[1])} in {time.monotonic() - start:.1f} s"
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return f"still running after {CHILD_LIMIT} s"
+
+
+def child_checks(inherited_work):
+    """In the forked child: the parent's group refuses ops and waits (its peers and connections are
+    the parent's), and destroying it there leaves the parent's alone."""
+    for what, call in (("an allreduce", lambda: dist.all_reduce(torch.ones(4))),
+                       ("a wait for the parent's op", lambda: inherited_work.wait())):
+        try:
+            call()
+        except dist.DistBackendError as e:
+            if "made in the parent of this forked process" not in str(e):
+                print(f"child of rank {rank}: {what} raised the wrong error: {e}", flush=True)
+                os._exit(3)
+        else:
+            print(f"child of rank {rank}: {what} on the parent's group did not raise", flush=True)
+            os._exit(3)
+    dist.destroy_process_group()
+    torch.ones(4).sum()
+
+
 def ops():
     tensors = [torch.full((1 << 16,), float(rank + 1)) for _ in range(4)]
     return tensors, [dist.all_reduce(t, async_op=True) for t in tensors]
@@ -41,25 +73,24 @@ for forker in range(world):
         in_flight = not works[0].is_completed()
         pid = os.fork()
         if pid == 0:
-            torch.ones(4).sum()
+            child_checks(works[0])
             sys.exit(0)
         store.set(f"forked/{forker}", "1")
-        deadline = time.monotonic() + CHILD_LIMIT
-        start = time.monotonic()
-        while not (ended := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if ended[0]:
-            how = f"exited {os.waitstatus_to_exitcode(ended[1])} in {time.monotonic() - start:.1f} s"
-        else:
-            how = f"still running after {CHILD_LIMIT} s"
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        print(f"rank {rank}: ops in flight at the fork: {in_flight}; the child {how}", flush=True)
+        print(f"rank {rank}: ops in flight at the fork: {in_flight}; the child {reap(pid)}", flush=True)
     for w in works:
         w.wait()
     assert all(torch.equal(t, torch.full((1 << 16,), float(sum(range(1, world + 1))))) for t in tensors)
     if rank == forker:
         assert chained.wait() == sum(range(1, world + 1))
+
+# Once more with nothing in flight: the child's exit then frees its copy of the group too.
+del works, tensors
+pid = os.fork()
+if pid == 0:
+    dist.destroy_process_group()
+    gc.collect()
+    sys.exit(0)
+print(f"rank {rank}: idle fork: the child {reap(pid)}", flush=True)
 
 dist.all_reduce(big)
 assert torch.equal(big, torch.full((1 << 20,), float(world * world)))

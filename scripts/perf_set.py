@@ -22,23 +22,25 @@ extension's RUNPATH names ($ORIGIN/../../.. from the package; a different file o
 name already there is an error, not overwritten), then runs from a folder that is not a
 checkout:
 
-  - python -m oneccl_bind_pt.bench at each of --ranks (2, 4, 8), allreduce, allgather,
-    reduce_scatter, alltoall, broadcast, sendrecv, --sizes (4 KiB to 64 MiB): at 2 ranks
-    float32 and bfloat16 with every default column (ccl, pg, oneccl, oneccl+w, gloo, raw, copy),
-    from 4 ranks float32 with ccl, pg, oneccl and oneccl+w (--many-backends, --many-dtypes);
+  - python -m oneccl_bind_pt.bench_ddp at each of --ddp (the threads are OMP_NUM_THREADS;
+    part 1: 2 ranks x 8 threads and 4 x 4; part 2: 2 x 8 with DDP's gradient_as_bucket_view
+    and 2 x 7 with one oneCCL worker per rank; `2x8:helpers=2` is another form), first;
+  - python -m oneccl_bind_pt.bench at each of --ranks (part 1: 2 and 4; part 2: 8), allreduce,
+    allgather, reduce_scatter, alltoall, broadcast, sendrecv, --sizes (4 KiB to 64 MiB), with
+    ccl, pg, oneccl and oneccl+w: at 2 ranks float32 and bfloat16, from 4 ranks float32
+    (--backends, --many-backends, --many-dtypes);
+  - at 2 ranks, staged against single copy (--single-sizes, part 1): where reading peers
+    directly wins on this CPU;
   - at 2 ranks, the helper sweep: bench of our transport alone (pg) with ONECCL_BIND_PT_HELPERS
-    at each of --helpers (0, 1, 3, and 3 with the 2 MiB staging chunk of before the chunk was
-    sized to the L2 cache: `3:chunk=2M`), allreduce, allgather, reduce_scatter, broadcast,
-    sendrecv, 1-64 MiB;
-  - at 2 ranks, staged against single copy (--single-sizes): where reading peers directly wins
-    on this CPU;
-  - python -m oneccl_bind_pt.bench_ddp at each of --ddp (2 ranks x 8 threads, 4 x 4, 2 x 7
-    with one oneCCL worker per rank, and 2 x 8 with DDP's gradient_as_bucket_view; the threads
-    are OMP_NUM_THREADS; `2x6:helpers=2` is another form).
+    at each of --helpers (part 1: 0, 3, 6; part 2: 0 and 3 with the AVX-512 kernels,
+    `3:kernels=avx512`), allreduce, allgather, reduce_scatter, broadcast, sendrecv, 1-64 MiB.
 
-Everything lands in one folder (--out, required), 8 files with the default runs:
-perf.log (every table, as printed), one JSON per bench run (3), single.json, helpers.json (the
-sweep, by --helpers entry: `3`, `3c2M`), ddp.json (each bench_ddp run, by its --ddp entry), and summary.json
+A host lent 15 minutes in all takes the two parts as two calls one after the other
+(--part 1, about 400 s, then --part 2, about 280 s); --part all runs both in one.
+
+Everything lands in one folder (--out, required), at most 8 files: perf.log (every
+table, as printed), one JSON per bench run (bench-<N>ranks.json), single.json, helpers.json (the
+sweep, by --helpers entry: `3`, `3kavx512`), ddp.json (each bench_ddp run, by its --ddp entry), and summary.json
 (host, versions, each run's command, exit status and seconds). A run that fails or passes its
 --step-timeout is recorded and the next one still runs; the exit status is 1 if any failed.
 
@@ -85,17 +87,34 @@ LIBS = {"libfabric.so.1": "impi-rt", "libtcp-fi.so": "impi-rt", "libshm-fi.so": 
 # beside 7 torch threads), 2x6:helpers=2, or 2x8:view=1 (DDP with gradient_as_bucket_view).
 DDP_KNOBS = {"workers": "ONECCL_BIND_PT_WORKERS", "helpers": "ONECCL_BIND_PT_HELPERS"}
 DDP_FLAGS = {"view": "--bucket-view"}
-# Helper sweep entries: a count, optionally with the staging chunk, e.g. 3:chunk=2M.
-HELPER_KNOBS = {"chunk": "ONECCL_BIND_PT_SHM_CHUNK_BYTES"}
-# Sized for about 8.5 minutes on 16 cores (docs/performance.md: the runs it was sized from).
-# Every column and dtype at 2 ranks; from 4 ranks only ours and oneCCL's, float32 (all of
-# them at 4 and 8 ranks took over 140 s each).
-FULL = dict(ranks="2,4,8", dtypes="float32,bfloat16", sizes="4K,64K,1M,16M,64M", seconds=0.02, rounds=2,
-            backends="", many_backends="ccl,pg,oneccl,oneccl+w", many_dtypes="float32",
-            helpers="0,1,3,3:chunk=2M", single_sizes="256K,1M,4M,16M,64M", ddp="2x8,4x4,2x7:workers=1,2x8:view=1",
-            ddp_args=["--steps", "5"])
+# Helper sweep entries: a count, optionally with the staging chunk, the kernels' instruction
+# set or the copy, e.g. 3:chunk=2M, 3:kernels=avx512, 0:copy=loop. Each knob's letter goes
+# into the entry's label in helpers.json (3c2M, 3kavx512, 0mloop).
+HELPER_KNOBS = {"chunk": ("ONECCL_BIND_PT_SHM_CHUNK_BYTES", "c"), "kernels": ("ONECCL_BIND_PT_KERNELS", "k"),
+                "copy": ("ONECCL_BIND_PT_COPY", "m")}
+# The set in two parts, for a host lent 15 minutes (start and transfers included): two calls
+# one after the other, part 1 then part 2 (or `--part all` where one call may take longer).
+# Sized from run C on the 16-core Xeon (docs/performance.md): every column and both dtypes at
+# 2 ranks ran past 140 s, four columns at 4 ranks took 122 s and at 8 ranks past 123 s, each
+# bench_ddp 40-60 s, each helper run 13-16 s. DDP, the number users feel, runs first.
+# Part 1, about 400 s: DDP 2x8 and 4x4; bench at 2 ranks (four columns, float32 and bfloat16)
+# with single copy against staging and the helper sweep; bench at 4 ranks.
+# Part 2, about 280 s: bench at 8 ranks; DDP with bucket views and with a oneCCL worker; the
+# helper sweep with AVX-512 kernels (compare with part 1's 0 and 3 from the same host).
+COMMON = dict(dtypes="float32,bfloat16", sizes="4K,64K,1M,16M,64M", seconds=0.02, rounds=2,
+              backends="ccl,pg,oneccl,oneccl+w", many_backends="", many_dtypes="float32",
+              ddp_args=["--steps", "5"])
+PARTS = {
+    "1": dict(COMMON, ranks="2,4", helpers="0,3,6", single_sizes="256K,1M,4M,16M,64M", ddp="2x8,4x4",
+              budget=450, step_timeout=150),
+    "2": dict(COMMON, ranks="8", helpers="0:kernels=avx512,3:kernels=avx512", single_sizes="",
+              ddp="2x8:view=1,2x7:workers=1", budget=290, step_timeout=200),
+}
+PARTS["all"] = dict(COMMON, ranks="2,4,8", helpers="0,3,6,0:kernels=avx512,3:kernels=avx512",
+                    single_sizes=PARTS["1"]["single_sizes"], ddp="2x8,4x4,2x8:view=1,2x7:workers=1",
+                    budget=760, step_timeout=200)
 QUICK = dict(ranks="2", dtypes="float32", sizes="4K,1M", seconds=0.02, rounds=2, backends="", many_backends="",
-             many_dtypes="", helpers="0,1", single_sizes="1M", ddp="2x1",
+             many_dtypes="", helpers="0,1", single_sizes="1M", ddp="2x1", budget=570, step_timeout=150,
              ddp_args=["--width", "256", "--layers", "3", "--batch", "4", "--steps", "3", "--warmup", "1"])
 
 
@@ -285,8 +304,9 @@ def helper_runs(spec: str) -> list[tuple[str, str, dict]]:
             key, eq, value = kv.partition("=")
             if not eq or key not in HELPER_KNOBS or not value.isalnum():
                 sys.exit(f"--helpers {entry}: {kv!r} is not NAME=VALUE with NAME one of {', '.join(HELPER_KNOBS)}")
-            env[HELPER_KNOBS[key]] = value
-            label += f"c{value}"
+            var, letter = HELPER_KNOBS[key]
+            env[var] = value
+            label += f"{letter}{value}"
         if label in labels:
             sys.exit(f"--helpers {entry}: named twice (its results would overwrite each other)")
         labels.add(label)
@@ -298,7 +318,7 @@ def ddp_runs(spec: str) -> list[tuple[str, str, str, dict, str]]:
     """--ddp's runs as (ranks, threads, knobs as given, knobs, file label); exits naming what
     is wrong before anything is installed or run."""
     runs, labels = [], set()
-    for config in spec.split(","):
+    for config in filter(None, spec.split(",")):
         shape, _, extra = config.partition(":")
         n, _, threads = shape.partition("x")
         if not (n.isdigit() and threads.isdigit()):
@@ -320,8 +340,29 @@ def ddp_runs(spec: str) -> list[tuple[str, str, str, dict, str]]:
     return runs
 
 
+def two_rank_runs(args, python, out: Path, work: Path) -> list:
+    """Staged against single copy, and the helper sweep: 2 ranks, float32."""
+    steps = []
+    if args.single_sizes:
+        # Where reading peers directly (single copy) beats the staging buffers on this
+        # CPU: the crossovers in route.cpp were measured on one other machine.
+        steps.append(("bench 2 ranks, staged against single copy",
+                      [python, "-m", "oneccl_bind_pt.bench", "--nprocs", "2", "--ops", OPS,
+                       "--dtypes", "float32", "--sizes", args.single_sizes, "--backends", "staged,single",
+                       "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
+                       "--json", out / "single.json"], {}))
+    for entry, label, helper_env in helper_runs(args.helpers):
+        count, _, extra = entry.partition(":")
+        steps.append((f"bench 2 ranks, {count} helpers{' ' + extra if extra else ''}",
+                      [python, "-m", "oneccl_bind_pt.bench", "--nprocs", "2", "--ops", HELPER_OPS,
+                       "--dtypes", "float32", "--sizes", HELPER_SIZES, "--backends", "pg",
+                       "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
+                       "--json", work / f"helpers-{label}.json"], helper_env))
+    return steps
+
+
 def run(args) -> int:
-    preset = QUICK if args.quick else FULL
+    preset = QUICK if args.quick else PARTS[args.part]
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -331,7 +372,7 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="perf-set-"))  # not a checkout: the installed package is imported
-    summary = {"mode": "quick" if args.quick else "full", "steps": []}
+    summary = {"mode": "quick" if args.quick else f"part {args.part}", "steps": []}
     try:
         with open(out / "perf.log", "w") as log:
             python = args.python if args.installed else install(args, work, log)
@@ -341,31 +382,9 @@ def run(args) -> int:
             # gloo binds the interface its host name resolves to; a host whose NIC has no route
             # needs the loopback (no other variable: the ccl column runs on the package's defaults).
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            # DDP first (the number users feel, and a budget cuts the last runs), then the
+            # benchmark at 2 ranks with the 2-rank runs beside it, then at more ranks.
             steps = []
-            for n in args.ranks.split(","):
-                backends = args.backends if n == "2" else args.many_backends or args.backends
-                dtypes = args.dtypes if n == "2" else args.many_dtypes or args.dtypes
-                steps.append((f"bench {n} ranks", [python, "-m", "oneccl_bind_pt.bench", "--nprocs", n, "--ops", OPS,
-                                                   "--dtypes", dtypes, "--sizes", args.sizes,
-                                                   *(["--backends", backends] if backends else []),
-                                                   "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
-                                                   "--json", out / f"bench-{n}ranks.json"], {}))
-                if n == "2" and args.single_sizes:
-                    # Where reading peers directly (single copy) beats the staging buffers on this
-                    # CPU: the crossovers in route.cpp were measured on one other machine.
-                    steps.append(("bench 2 ranks, staged against single copy",
-                                  [python, "-m", "oneccl_bind_pt.bench", "--nprocs", "2", "--ops", OPS,
-                                   "--dtypes", "float32", "--sizes", args.single_sizes, "--backends", "staged,single",
-                                   "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
-                                   "--json", out / "single.json"], {}))
-                if n == "2":
-                    for entry, label, helper_env in helper_runs(args.helpers):
-                        count, _, extra = entry.partition(":")
-                        steps.append((f"bench 2 ranks, {count} helpers{' ' + extra if extra else ''}",
-                                      [python, "-m", "oneccl_bind_pt.bench", "--nprocs", "2", "--ops", HELPER_OPS,
-                                       "--dtypes", "float32", "--sizes", HELPER_SIZES, "--backends", "pg",
-                                       "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
-                                       "--json", work / f"helpers-{label}.json"], helper_env))
             for n, threads, extra, knobs, label in ddp_runs(args.ddp):
                 env_extra = {"OMP_NUM_THREADS": threads,
                              **{DDP_KNOBS[k]: v for k, v in knobs.items() if k in DDP_KNOBS}}
@@ -374,6 +393,19 @@ def run(args) -> int:
                               [python, "-m", "oneccl_bind_pt.bench_ddp", "--nprocs", n, *args.ddp_args, *flags,
                                *(["--dtypes", args.ddp_dtypes] if args.ddp_dtypes else []),
                                "--json", work / f"ddp-{n}x{threads}{label}.json"], env_extra))
+            ranks = sorted(filter(None, args.ranks.split(",")), key=lambda n: n != "2")
+            if "2" not in ranks:  # the short 2-rank runs before a long benchmark a budget may cut
+                steps += two_rank_runs(args, python, out, work)
+            for n in ranks:
+                backends = args.backends if n == "2" else args.many_backends or args.backends
+                dtypes = args.dtypes if n == "2" else args.many_dtypes or args.dtypes
+                steps.append((f"bench {n} ranks", [python, "-m", "oneccl_bind_pt.bench", "--nprocs", n, "--ops", OPS,
+                                                   "--dtypes", dtypes, "--sizes", args.sizes,
+                                                   *(["--backends", backends] if backends else []),
+                                                   "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
+                                                   "--json", out / f"bench-{n}ranks.json"], {}))
+                if n == "2":  # the 2-rank runs after the 2-rank benchmark
+                    steps += two_rank_runs(args, python, out, work)
             for name, cmd, extra in steps:
                 left = args.budget - (time.monotonic() - start)
                 if left < 10:
@@ -463,29 +495,34 @@ def main() -> int:
     r.add_argument("--installed", action="store_true",
                    help="install nothing: run the oneccl_bind_pt --python already has")
     r.add_argument("--out", type=Path, required=True, help="output folder (required)")
+    r.add_argument("--part", choices=sorted(PARTS), default="1",
+                   help="which part of the set: 1 (DDP, 2 and 4 ranks), 2 (8 ranks, more DDP and the kernels' sweep), "
+                   "or all in one call (default: %(default)s); each option below overrides the part's value")
     r.add_argument("--quick", action="store_true", help="a check of the script: 2 ranks, float32, 2 sizes, "
                    "a small DDP model on 2 ranks x 1 thread")
-    r.add_argument("--ranks", help=f"bench's rank counts (default: {FULL['ranks']}; --quick {QUICK['ranks']})")
-    r.add_argument("--dtypes", help=f"bench's dtypes (default: {FULL['dtypes']})")
-    r.add_argument("--sizes", help=f"bench's message sizes (default: {FULL['sizes']}; --quick {QUICK['sizes']})")
-    r.add_argument("--seconds", type=float, help=f"bench's time per column per point (default: {FULL['seconds']})")
-    r.add_argument("--rounds", type=int, help=f"bench's interleaved rounds (default: {FULL['rounds']})")
+    r.add_argument("--ranks", help=f"bench's rank counts (part 1: {PARTS['1']['ranks']}; part 2: {PARTS['2']['ranks']}; --quick {QUICK['ranks']})")
+    r.add_argument("--dtypes", help=f"bench's dtypes (default: {COMMON['dtypes']})")
+    r.add_argument("--sizes", help=f"bench's message sizes (default: {COMMON['sizes']}; --quick {QUICK['sizes']})")
+    r.add_argument("--seconds", type=float, help=f"bench's time per column per point (default: {COMMON['seconds']})")
+    r.add_argument("--rounds", type=int, help=f"bench's interleaved rounds (default: {COMMON['rounds']})")
     r.add_argument("--helpers", help=f"the helper sweep's runs at 2 ranks: ONECCL_BIND_PT_HELPERS values, each "
-                   f"optionally with :chunk=SIZE (ONECCL_BIND_PT_SHM_CHUNK_BYTES), '' for none (default: "
-                   f"{FULL['helpers']}; --quick {QUICK['helpers']})")
-    r.add_argument("--backends", help="bench's columns at 2 ranks (default: all of bench's)")
-    r.add_argument("--many-backends", help=f"bench's columns from 4 ranks on (default: {FULL['many_backends']}; "
+                   f"optionally with :chunk=SIZE (ONECCL_BIND_PT_SHM_CHUNK_BYTES), :kernels=ISA (_KERNELS) or :copy=glibc|loop "
+                   f"(_COPY), joined by ';', '' for none (default: "
+                   f"part 1: {PARTS['1']['helpers']}; part 2: {PARTS['2']['helpers']}; --quick {QUICK['helpers']})")
+    r.add_argument("--backends", help=f"bench's columns at 2 ranks, '' for all of bench's (default: {COMMON['backends']})")
+    r.add_argument("--many-backends", help=f"bench's columns from 4 ranks on (default: {COMMON['many_backends']}; "
                    "'' for --backends')")
-    r.add_argument("--many-dtypes", help=f"bench's dtypes from 4 ranks on (default: {FULL['many_dtypes']}; "
+    r.add_argument("--many-dtypes", help=f"bench's dtypes from 4 ranks on (default: {COMMON['many_dtypes']}; "
                    "'' for --dtypes)")
     r.add_argument("--ddp-dtypes", help="bench_ddp's dtypes (default: bench_ddp's, float32 and bfloat16)")
     r.add_argument("--single-sizes", help=f"sizes of the staged-against-single-copy run at 2 ranks, '' for none "
-                   f"(default: {FULL['single_sizes']})")
-    r.add_argument("--ddp", help=f"bench_ddp's RANKSxTHREADS[:workers=N;helpers=N;view=1] runs (default: {FULL['ddp']}; --quick {QUICK['ddp']})")
-    r.add_argument("--step-timeout", type=float, default=150, help="seconds before one run is killed with its "
-                   "ranks (default: %(default)s)")
-    r.add_argument("--budget", type=float, default=570, help="seconds from the start after which no run starts and "
-                   "the one in progress is killed (default: %(default)s)")
+                   f"(default: part 1: {PARTS['1']['single_sizes']})")
+    r.add_argument("--ddp", help=f"bench_ddp's RANKSxTHREADS[:workers=N;helpers=N;view=1] runs (part 1: {PARTS['1']['ddp']}; part 2: {PARTS['2']['ddp']}; --quick {QUICK['ddp']})")
+    r.add_argument("--step-timeout", type=float, help="seconds before one run is killed with its ranks (default: "
+                   + ", ".join(f"part {k} {v['step_timeout']:.0f}" for k, v in PARTS.items()) + ")")
+    r.add_argument("--budget", type=float, help="seconds from the start after which no run starts and the one in "
+                   "progress is killed (default: " + ", ".join(f"part {k} {v['budget']:.0f}" for k, v in PARTS.items())
+                   + ")")
     q = sub.add_parser("report", help="anywhere: ccl against the best oneCCL column, from a run's folder")
     q.add_argument("dir", type=Path, help="a run's --out folder")
     args = ap.parse_args()

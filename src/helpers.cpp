@@ -26,8 +26,11 @@ namespace oneccl_bind_pt {
 namespace {
 
 // Memory bandwidth, not cores, bounds a copy beyond a few threads; the cap keeps
-// idle helpers few (each one spins briefly after a split, then sleeps).
-constexpr int kMaxHelpers = 3;
+// idle helpers few (each one spins briefly after a split, then sleeps). On a 16-core
+// Intel Xeon, 2 ranks, 6 helpers against 3 took 0.56-0.88x the time at 16 MiB for
+// allreduce, allgather, reduce_scatter and broadcast, 0.80-1.13x at 64 MiB, and send/recv
+// 1.1-1.2x (one run, docs/performance.md, run C).
+constexpr int kMaxHelpers = 6;
 constexpr int kMaxHelpersAsked = 64;
 // After its piece a helper spins this long for the next split (the next chunk of
 // the same collective comes after one meeting of the ranks), then sleeps.

@@ -8,7 +8,7 @@
 // size), else those CPUs divided by the ranks on this host (CCL_LOCAL_SIZE),
 // and no more than a container's CPU quota divided the same way; less torch's
 // intra-op threads (at::get_num_threads(), which DDP's compute uses beside the
-// collectives) and oneCCL's worker threads, at most 3. So a host with no spare
+// collectives) and oneCCL's worker threads, at most 6. So a host with no spare
 // core gets none, and a rank whose compute uses every core it has gets none. Helpers run on the CPUs the
 // process had then, take no asynchronous signals, spin 50 us after a split,
 // then sleep; a thread that cannot be started leaves fewer helpers.

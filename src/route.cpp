@@ -86,9 +86,20 @@ constexpr PerKind kWideTo{    8 * kMiB, 0,      1 * kMiB,   kNever,     kNever, 
 // 0.82-0.99x allgather, 0.71-0.91x reduce_scatter and 0.77-0.92x all-to-all at 1-16 MiB,
 // 0.79-0.80x allreduce at 64 MiB (docs/performance.md, "The staging chunk"). Broadcast,
 // which only copies, took 0.99-1.12x, so it keeps the whole buffer. With helper threads each
-// thread moves its share of a chunk, so the chunk grows with them (not measured with
-// helpers yet: their figures are from 2 MiB chunks).
-size_t default_chunk(std::string& why) {
+// thread moves its share of a chunk, so the chunk grows with them.
+// But every chunk costs the ranks meetings, and a meeting waits until each rank's thread
+// is scheduled: where torch's threads compute beside the collective (DDP all-reduces its
+// buckets during the backward pass), small chunks lost more than the cache gave. DDP's
+// communication (step - local) took 2.0-2.6x oneCCL's with 128 KiB chunks and 0.5-0.9x with
+// 1 MiB (2-core AMD EPYC VM, 2 ranks x 1 thread, 25 M parameters, three rounds); on the
+// 16-core Xeon, 2 ranks x 8 threads, 1.8x with 256 KiB. Alone, 1 MiB chunks took 0.83-1.04x
+// the time of 128 KiB ones on that EPYC (2 ranks, 256 KiB-64 MiB, two rounds). So a chunk is
+// at least 1 MiB (docs/performance.md, "The staging chunk"); but where a host's ranks
+// outnumber its CPUs, where staged chunks showed no steady difference (0.6-1.9x either way
+// between runs), they keep the cache's size.
+constexpr size_t kMinDefaultChunk = size_t{1} << 20;
+
+size_t default_chunk(bool crowded, std::string& why) {
   const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
   size_t per_thread = 256 * 1024;
   if (l2 > 0) {
@@ -98,11 +109,13 @@ size_t default_chunk(std::string& why) {
     }
   }
   const int threads = helper_plan().count + 1;
-  const size_t chunk = std::min(kStagingBufferBytes, per_thread * threads);
+  const size_t chunk = std::clamp(per_thread * threads, crowded ? per_thread : kMinDefaultChunk, kStagingBufferBytes);
   why = std::to_string(per_thread >> 10) + " KiB per thread (" +
       (l2 > 0 ? "an eighth of the " + std::to_string(l2 >> 10) + " KiB L2 cache, within 128-512 KiB"
               : std::string("the L2 cache's size unknown")) +
-      ") x " + std::to_string(threads) + " (the helper threads and the caller), at most 2 MiB";
+      ") x " + std::to_string(threads) + " (the helper threads and the caller), " +
+      (crowded ? std::string("at most 2 MiB (more ranks than CPUs)")
+               : std::string("from 1 MiB (fewer meetings where torch's threads compute beside it) to 2 MiB"));
   return chunk;
 }
 
@@ -150,6 +163,7 @@ ShmLimits ShmLimits::from_env() {
   const bool wide = intel_cpu() && helper_plan().count == 0;
   l.single_copy = wide ? kWideFrom : kNarrowFrom;
   l.single_copy_to = wide ? kWideTo : kNarrowTo;
+  const RankCores cores = rank_cores(local_ranks());
   const char* chunk = std::getenv("ONECCL_BIND_PT_SHM_CHUNK_BYTES");
   if (chunk && *chunk) {
     // Strict, unlike the crossovers: ranks given different chunks still agree (the smallest),
@@ -160,7 +174,7 @@ ShmLimits ShmLimits::from_env() {
     l.chunk_bytes = static_cast<size_t>(b);
     l.chunk_why = "ONECCL_BIND_PT_SHM_CHUNK_BYTES";
   } else {
-    l.chunk_bytes = default_chunk(l.chunk_why);
+    l.chunk_bytes = default_chunk(cores.crowded, l.chunk_why);
   }
   // Single copy's reduce windows (ShmPending::capacity). Where ranks outnumber CPUs a window's
   // meeting waits for ranks to be scheduled: on a 2-core AMD EPYC VM, 4 ranks, reduce_scatter
@@ -170,7 +184,7 @@ ShmLimits ShmLimits::from_env() {
   // keep the cache's size.
   l.window_bytes = l.chunk_bytes;
   l.window_why = "the staging chunk";
-  if (const RankCores cores = rank_cores(local_ranks()); cores.crowded && !(chunk && *chunk)) {
+  if (cores.crowded && !(chunk && *chunk)) {
     l.window_bytes = kStagingBufferBytes;
     l.window_why = "the whole buffer: " + cores.why + ", more ranks than CPUs";
   }

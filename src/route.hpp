@@ -48,8 +48,9 @@ struct ShmLimits {
   PerKind single_copy, single_copy_to;
   // Bytes a staged step moves per rank (broadcast: the whole buffer), this rank's
   // choice: ONECCL_BIND_PT_SHM_CHUNK_BYTES, or per thread an eighth of the L2 cache
-  // (128-512 KiB) times the threads splitting the copies (helper_plan() + 1), at
-  // most the buffer. A group takes the smallest of its ranks' (Shm::connect).
+  // (128-512 KiB) times the threads splitting the copies (helper_plan() + 1), from
+  // 1 MiB (not where ranks outnumber CPUs) to the buffer. A group takes the smallest of
+  // its ranks' (Shm::connect).
   size_t chunk_bytes = kStagingBufferBytes;
   std::string chunk_why;
   // What single copy's reduce and reduce_scatter read of their peers per step: the chunk,

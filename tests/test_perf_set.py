@@ -52,35 +52,52 @@ def test_run_starts_nothing_past_its_budget(tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert [s["name"] for s in summary["steps"]] == [
-        "bench 2 ranks", "bench 2 ranks, staged against single copy", "bench 2 ranks, 0 helpers",
-        "bench 2 ranks, 1 helpers", "bench_ddp 2 ranks x 1 threads"]
+        "bench_ddp 2 ranks x 1 threads", "bench 2 ranks", "bench 2 ranks, staged against single copy",
+        "bench 2 ranks, 0 helpers", "bench 2 ranks, 1 helpers"]
     assert all(s.get("skipped") == "budget" for s in summary["steps"]), summary
     assert summary["host"]["torch"] == torch.__version__
     assert sorted(p.name for p in out.iterdir()) == ["perf.log", "summary.json"]
 
 
-def test_the_full_set_narrows_the_runs_from_4_ranks(tmp_path):
+def _planned(tmp_path, *args):
+    """{run name: (its command, the variables it sets)} of a run planned with no budget to run it."""
+    tmp_path.mkdir(exist_ok=True)
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, SCRIPT, "run", "--installed", "--budget", "0", "--out", out],
+    r = subprocess.run([sys.executable, SCRIPT, "run", "--installed", "--budget", "0", "--out", out, *args],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
-    cmds = {s["name"]: s["cmd"] for s in json.loads((out / "summary.json").read_text())["steps"]}
+    return {s["name"]: (s["cmd"], s["env"]) for s in json.loads((out / "summary.json").read_text())["steps"]}
 
-    def option(name, flag):
-        cmd = cmds[name]
-        return cmd[cmd.index(flag) + 1] if flag in cmd else None
 
-    assert option("bench 2 ranks", "--dtypes") == "float32,bfloat16" and option("bench 2 ranks", "--backends") is None
-    for n in (4, 8):
-        assert option(f"bench {n} ranks", "--dtypes") == "float32"
-        assert option(f"bench {n} ranks", "--backends") == "ccl,pg,oneccl,oneccl+w"
-    assert "bench_ddp 2 ranks x 7 threads workers=1" in cmds
-    envs = {s["name"]: s["env"] for s in json.loads((out / "summary.json").read_text())["steps"]}
-    assert envs["bench 2 ranks, 3 helpers"] == {"ONECCL_BIND_PT_HELPERS": "3"}
-    assert envs["bench 2 ranks, 3 helpers chunk=2M"] == {"ONECCL_BIND_PT_HELPERS": "3",
-                                                         "ONECCL_BIND_PT_SHM_CHUNK_BYTES": "2M"}
-    assert "--bucket-view" in cmds["bench_ddp 2 ranks x 8 threads view=1"]
-    assert "--bucket-view" not in cmds["bench_ddp 2 ranks x 8 threads"]
+def _option(cmd, flag):
+    return cmd[cmd.index(flag) + 1] if flag in cmd else None
+
+
+def test_the_two_parts_split_the_set_and_narrow_the_runs_from_4_ranks(tmp_path):
+    one, two = _planned(tmp_path / "1", "--part", "1"), _planned(tmp_path / "2", "--part", "2")
+    both = _planned(tmp_path / "all", "--part", "all")
+    assert list(both) == [n for n in both if n in one or n in two] and set(both) == set(one) | set(two)
+    assert not set(one) & set(two), set(one) & set(two)
+    for runs in (one, two):  # DDP first: the budget cuts the last runs
+        names = list(runs)
+        assert names[:2] == [n for n in names if n.startswith("bench_ddp")], names
+    cmd, _ = one["bench 2 ranks"]
+    assert _option(cmd, "--dtypes") == "float32,bfloat16" and _option(cmd, "--backends") == "ccl,pg,oneccl,oneccl+w"
+    for n, runs in ((4, one), (8, two)):
+        cmd, _ = runs[f"bench {n} ranks"]
+        assert _option(cmd, "--dtypes") == "float32" and _option(cmd, "--backends") == "ccl,pg,oneccl,oneccl+w"
+    assert one["bench 2 ranks, 6 helpers"][1] == {"ONECCL_BIND_PT_HELPERS": "6"}
+    assert two["bench 2 ranks, 3 helpers kernels=avx512"][1] == {"ONECCL_BIND_PT_HELPERS": "3",
+                                                                 "ONECCL_BIND_PT_KERNELS": "avx512"}
+    # Part 2 has no 2-rank benchmark: its short 2-rank runs go before the 8-rank one.
+    assert list(two).index("bench 2 ranks, 0 helpers kernels=avx512") < list(two).index("bench 8 ranks")
+    assert "--bucket-view" in two["bench_ddp 2 ranks x 8 threads view=1"][0]
+    assert "--bucket-view" not in one["bench_ddp 2 ranks x 8 threads"][0]
+    assert two["bench_ddp 2 ranks x 7 threads workers=1"][1] == {"OMP_NUM_THREADS": "7", "ONECCL_BIND_PT_WORKERS": "1"}
+    chunk = _planned(tmp_path / "c", "--part", "2", "--helpers", "3:chunk=2M;copy=loop", "--ranks", "", "--ddp", "")
+    assert list(chunk) == ["bench 2 ranks, 3 helpers chunk=2M;copy=loop"]
+    assert chunk["bench 2 ranks, 3 helpers chunk=2M;copy=loop"][1] == {
+        "ONECCL_BIND_PT_HELPERS": "3", "ONECCL_BIND_PT_SHM_CHUNK_BYTES": "2M", "ONECCL_BIND_PT_COPY": "loop"}
 
 
 @pytest.mark.parametrize("option, value, says", [
@@ -88,7 +105,7 @@ def test_the_full_set_narrows_the_runs_from_4_ranks(tmp_path):
     ("--ddp", "2x8:colour=1", "is not NAME=VALUE"), ("--ddp", "2by8", "is not RANKSxTHREADS"),
     ("--ddp", "2x8:view=1,2x8:view=1", "named twice"), ("--helpers", "x", "is not a helper count"),
     ("--helpers", "3:chunk", "is not NAME=VALUE"), ("--helpers", "3:size=2M", "is not NAME=VALUE"),
-    ("--helpers", "1,3,1", "named twice")])
+    ("--helpers", "1,3,1", "named twice"), ("--helpers", "3:kernels=avx-512", "is not NAME=VALUE")])
 def test_a_mistyped_run_stops_before_anything_runs(tmp_path, option, value, says):
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, SCRIPT, "run", "--installed", "--quick", option, value, "--out", out],

@@ -88,7 +88,9 @@ def test_paths_and_the_switch(setting):
            "off": set()}[setting]
     assert got["large"] == {name: "cma" if name in cma else "shm" for name in got["large"]}, got["large"]
     assert got["single_copy"] == ("off: ONECCL_BIND_PT_SHM_SINGLE_COPY=0" if setting == "off" else "on")
-    assert got["chunk"].startswith(f"{_expected_chunk_kib(got['helpers'])} KiB: "), got["chunk"]
+    crowded = CROWDED in got["chunk"]  # 2 ranks crowd a host of 1 CPU
+    assert crowded or len(os.sched_getaffinity(0)) >= 2, got["chunk"]
+    assert got["chunk"].startswith(f"{_expected_chunk_kib(got['helpers'], crowded)} KiB: "), got["chunk"]
 
 
 def _crossover(rank, world):
@@ -104,7 +106,8 @@ def test_crossover_setting():
 
 
 # ---- the staging chunk ----------------------------------------------------------------------
-# A staged step moves a chunk sized to the L2 cache (src/route.cpp, default_chunk); ranks
+# A staged step moves a chunk sized to the L2 cache, 1-2 MiB where ranks have CPUs of their own
+# (src/route.cpp, default_chunk); ranks
 # may choose differently (ONECCL_BIND_PT_SHM_CHUNK_BYTES per process) and must still cut
 # every message alike: the group takes the smallest.
 
@@ -118,10 +121,12 @@ def _l2_bytes():
 CROWDED = "; single copy's reduce windows 2048 KiB: the whole buffer: "
 
 
-def _expected_chunk_kib(helpers):
+def _expected_chunk_kib(helpers, crowded):
+    """The L2 rule: an eighth of the L2 per thread, within 128-512 KiB, times the threads; from
+    1 MiB to 2 MiB, but where ranks outnumber CPUs only up to 2 MiB."""
     l2 = _l2_bytes()
     per = 256 if l2 <= 0 else next(k for k in (512, 256, 128) if k == 128 or k * 1024 <= l2 // 8)
-    return min(2048, per * (helpers + 1))
+    return max(per if crowded else 1024, min(2048, per * (helpers + 1)))
 
 
 def _chunks(rank, world, by_rank):
@@ -129,10 +134,14 @@ def _chunks(rank, world, by_rank):
 
     default = _backend()._staging_chunk()
     got = {}
-    # Each group reads this rank's variables when made. First every rank crowded, whatever
-    # this host has: more local ranks (CCL_LOCAL_SIZE, which the package set for the first
-    # group and which each group reads again) than the CPUs of its affinity.
+    # Each group reads this rank's variables when made, CCL_LOCAL_SIZE among them (the package
+    # set it for the first group; each group reads it again to judge crowding). First every
+    # rank with CPUs to itself, whatever this host has (one local rank: the 1 MiB floor); then
+    # every rank crowded: more local ranks than the CPUs of its affinity.
     local = os.environ["CCL_LOCAL_SIZE"]
+    os.environ["CCL_LOCAL_SIZE"] = "1"
+    g = dist.new_group(list(range(world)))
+    got["alone"] = (_backend(g)._staging_chunk(), _closed_forms(rank, world, g))
     os.environ["CCL_LOCAL_SIZE"] = str(len(os.sched_getaffinity(0)) + 1)
     os.environ.update(SINGLE_COPY["from-256K"])
     g = dist.new_group(list(range(world)))
@@ -181,9 +190,15 @@ def _closed_forms(rank, world, g):
 def test_the_staging_chunk_is_the_l2_rule_and_a_group_takes_its_smallest():
     got = run_ranks(_chunks, 3, ["", "128K", "64K"], env=TRANSPORTS["shm"], timeout=300)
     for rank, (default, groups, helpers) in enumerate(got):
-        assert default.startswith(f"{_expected_chunk_kib(helpers)} KiB: "), (rank, default)
+        # 3 ranks crowd a host of 2 CPUs (or a quota of 2): the default group's windows say so.
+        host_crowded = CROWDED in default
+        assert host_crowded or len(os.sched_getaffinity(0)) >= 3, (rank, default)
+        assert default.startswith(f"{_expected_chunk_kib(helpers, host_crowded)} KiB: "), (rank, default)
+        alone, problems = groups.pop("alone")
+        assert alone.startswith(f"{_expected_chunk_kib(helpers, False)} KiB: ") and CROWDED not in alone, (rank, alone)
+        assert not problems, f"rank {rank}, alone: {problems}"
         crowded, problems = groups.pop("crowded")
-        kib = _expected_chunk_kib(helpers)  # named after the chunk when they differ
+        kib = _expected_chunk_kib(helpers, True)  # named after the chunk when they differ
         assert crowded.startswith(f"{kib} KiB: ") and (CROWDED in crowded) == (kib < 2048), (rank, crowded)
         assert not problems, f"rank {rank}, crowded: {problems}"
         for name, (agreed, problems) in groups.items():

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The performance set on a many-core host, in one command, and what it needs carried there.
+"""The performance set on a many-core host, in two parts of one command each, and what it needs carried there.
 
 Here (a checkout with the build tools), once per host image:
 
@@ -8,7 +8,8 @@ Here (a checkout with the build tools), once per host image:
 
 There (the host: no compiler, no registry; its own Python with torch):
 
-    python3 scripts/perf_set.py run --carry build/perf-carry --out DIR
+    python3 scripts/perf_set.py run --carry build/perf-carry --out DIR1 --part 1
+    python3 scripts/perf_set.py run --carry build/perf-carry --out DIR2 --part 2
 
 `prepare` copies the wheel and the run-time libraries a wheel for PyPI leaves to its declared
 requirements (libfabric and its tcp, shm and rxm providers from impi-rt, hwloc from tcmlib)
@@ -24,7 +25,8 @@ checkout:
 
   - python -m oneccl_bind_pt.bench_ddp at each of --ddp (the threads are OMP_NUM_THREADS;
     part 1: 2 ranks x 8 threads and 4 x 4; part 2: 2 x 8 with DDP's gradient_as_bucket_view
-    and 2 x 7 with one oneCCL worker per rank; `2x8:helpers=2` is another form), first;
+    and 2 x 7 with one oneCCL worker per rank; `2x8:helpers=2` is another form), first in
+    part 1, last in part 2 (which starts with its longest run, the 8-rank benchmark);
   - python -m oneccl_bind_pt.bench at each of --ranks (part 1: 2 and 4; part 2: 8), allreduce,
     allgather, reduce_scatter, alltoall, broadcast, sendrecv, --sizes (4 KiB to 64 MiB), with
     ccl, pg, oneccl and oneccl+w: at 2 ranks float32 and bfloat16, from 4 ranks float32
@@ -36,7 +38,8 @@ checkout:
     `3:kernels=avx512`), allreduce, allgather, reduce_scatter, broadcast, sendrecv, 1-64 MiB.
 
 A host lent 15 minutes in all takes the two parts as two calls one after the other
-(--part 1, about 400 s, then --part 2, about 280 s); --part all runs both in one.
+(--part 1, about 400 s, then --part 2, about 280 s, each into its own --out: their files
+share names); --part all runs both in one.
 
 Everything lands in one folder (--out, required), at most 8 files: perf.log (every
 table, as printed), one JSON per bench run (bench-<N>ranks.json), single.json, helpers.json (the
@@ -96,25 +99,26 @@ HELPER_KNOBS = {"chunk": ("ONECCL_BIND_PT_SHM_CHUNK_BYTES", "c"), "kernels": ("O
 # one after the other, part 1 then part 2 (or `--part all` where one call may take longer).
 # Sized from run C on the 16-core Xeon (docs/performance.md): every column and both dtypes at
 # 2 ranks ran past 140 s, four columns at 4 ranks took 122 s and at 8 ranks past 123 s, each
-# bench_ddp 40-60 s, each helper run 13-16 s. DDP, the number users feel, runs first.
+# bench_ddp 40-60 s, each helper run 13-16 s. DDP, the number users feel, runs first in part 1;
+# part 2 starts with its longest run, the 8-rank benchmark, whose JSON is written only at its end.
 # Part 1, about 400 s: DDP 2x8 and 4x4; bench at 2 ranks (four columns, float32 and bfloat16)
 # with single copy against staging and the helper sweep; bench at 4 ranks.
-# Part 2, about 280 s: bench at 8 ranks; DDP with bucket views and with a oneCCL worker; the
-# helper sweep with AVX-512 kernels (compare with part 1's 0 and 3 from the same host).
+# Part 2, about 280 s: bench at 8 ranks; the helper sweep with AVX-512 kernels (compare with
+# part 1's 0 and 3 from the same host); DDP with bucket views and with a oneCCL worker.
 COMMON = dict(dtypes="float32,bfloat16", sizes="4K,64K,1M,16M,64M", seconds=0.02, rounds=2,
               backends="ccl,pg,oneccl,oneccl+w", many_backends="", many_dtypes="float32",
               ddp_args=["--steps", "5"])
 PARTS = {
     "1": dict(COMMON, ranks="2,4", helpers="0,3,6", single_sizes="256K,1M,4M,16M,64M", ddp="2x8,4x4",
-              budget=450, step_timeout=150),
+              budget=450, step_timeout=150, ddp_first=True),
     "2": dict(COMMON, ranks="8", helpers="0:kernels=avx512,3:kernels=avx512", single_sizes="",
-              ddp="2x8:view=1,2x7:workers=1", budget=290, step_timeout=200),
+              ddp="2x8:view=1,2x7:workers=1", budget=300, step_timeout=200, ddp_first=False),
 }
 PARTS["all"] = dict(COMMON, ranks="2,4,8", helpers="0,3,6,0:kernels=avx512,3:kernels=avx512",
                     single_sizes=PARTS["1"]["single_sizes"], ddp="2x8,4x4,2x8:view=1,2x7:workers=1",
-                    budget=760, step_timeout=200)
+                    budget=760, step_timeout=200, ddp_first=True)
 QUICK = dict(ranks="2", dtypes="float32", sizes="4K,1M", seconds=0.02, rounds=2, backends="", many_backends="",
-             many_dtypes="", helpers="0,1", single_sizes="1M", ddp="2x1", budget=570, step_timeout=150,
+             many_dtypes="", helpers="0,1", single_sizes="1M", ddp="2x1", budget=570, step_timeout=150, ddp_first=True,
              ddp_args=["--width", "256", "--layers", "3", "--batch", "4", "--steps", "3", "--warmup", "1"])
 
 
@@ -364,7 +368,7 @@ def two_rank_runs(args, python, out: Path, work: Path) -> list:
 def run(args) -> int:
     preset = QUICK if args.quick else PARTS[args.part]
     for key, value in preset.items():
-        if getattr(args, key) is None:
+        if getattr(args, key, None) is None:
             setattr(args, key, value)
     ddp_runs(args.ddp)  # a mistyped run stops here, before the install
     helper_runs(args.helpers)
@@ -382,20 +386,19 @@ def run(args) -> int:
             # gloo binds the interface its host name resolves to; a host whose NIC has no route
             # needs the loopback (no other variable: the ccl column runs on the package's defaults).
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            # DDP first (the number users feel, and a budget cuts the last runs), then the
-            # benchmark at 2 ranks with the 2-rank runs beside it, then at more ranks.
-            steps = []
+            # DDP (the number users feel; a budget cuts the last runs), the benchmark at 2 ranks
+            # with the 2-rank runs beside it, then at more ranks; part 2 puts DDP last.
+            ddp_steps = []
             for n, threads, extra, knobs, label in ddp_runs(args.ddp):
                 env_extra = {"OMP_NUM_THREADS": threads,
                              **{DDP_KNOBS[k]: v for k, v in knobs.items() if k in DDP_KNOBS}}
                 flags = [DDP_FLAGS[k] for k, v in knobs.items() if k in DDP_FLAGS and v == "1"]
-                steps.append((f"bench_ddp {n} ranks x {threads} threads{' ' + extra if extra else ''}",
-                              [python, "-m", "oneccl_bind_pt.bench_ddp", "--nprocs", n, *args.ddp_args, *flags,
-                               *(["--dtypes", args.ddp_dtypes] if args.ddp_dtypes else []),
-                               "--json", work / f"ddp-{n}x{threads}{label}.json"], env_extra))
-            ranks = sorted(filter(None, args.ranks.split(",")), key=lambda n: n != "2")
-            if "2" not in ranks:  # the short 2-rank runs before a long benchmark a budget may cut
-                steps += two_rank_runs(args, python, out, work)
+                ddp_steps.append((f"bench_ddp {n} ranks x {threads} threads{' ' + extra if extra else ''}",
+                                  [python, "-m", "oneccl_bind_pt.bench_ddp", "--nprocs", n, *args.ddp_args, *flags,
+                                   *(["--dtypes", args.ddp_dtypes] if args.ddp_dtypes else []),
+                                   "--json", work / f"ddp-{n}x{threads}{label}.json"], env_extra))
+            steps = list(ddp_steps) if preset["ddp_first"] else []
+            ranks = sorted(dict.fromkeys(filter(None, args.ranks.split(","))), key=lambda n: n != "2")
             for n in ranks:
                 backends = args.backends if n == "2" else args.many_backends or args.backends
                 dtypes = args.dtypes if n == "2" else args.many_dtypes or args.dtypes
@@ -406,6 +409,10 @@ def run(args) -> int:
                                                    "--json", out / f"bench-{n}ranks.json"], {}))
                 if n == "2":  # the 2-rank runs after the 2-rank benchmark
                     steps += two_rank_runs(args, python, out, work)
+            if "2" not in ranks:
+                steps += two_rank_runs(args, python, out, work)
+            if not preset["ddp_first"]:
+                steps += ddp_steps
             for name, cmd, extra in steps:
                 left = args.budget - (time.monotonic() - start)
                 if left < 10:
@@ -510,8 +517,7 @@ def main() -> int:
                    f"(_COPY), joined by ';', '' for none (default: "
                    f"part 1: {PARTS['1']['helpers']}; part 2: {PARTS['2']['helpers']}; --quick {QUICK['helpers']})")
     r.add_argument("--backends", help=f"bench's columns at 2 ranks, '' for all of bench's (default: {COMMON['backends']})")
-    r.add_argument("--many-backends", help=f"bench's columns from 4 ranks on (default: {COMMON['many_backends']}; "
-                   "'' for --backends')")
+    r.add_argument("--many-backends", help="bench's columns from 4 ranks on (default: --backends)")
     r.add_argument("--many-dtypes", help=f"bench's dtypes from 4 ranks on (default: {COMMON['many_dtypes']}; "
                    "'' for --dtypes)")
     r.add_argument("--ddp-dtypes", help="bench_ddp's dtypes (default: bench_ddp's, float32 and bfloat16)")

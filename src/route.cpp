@@ -92,7 +92,7 @@ constexpr PerKind kWideTo{    8 * kMiB, 0,      1 * kMiB,   kNever,     kNever, 
 // buckets during the backward pass), small chunks lost more than the cache gave. DDP's
 // communication (step - local) took 2.0-2.6x oneCCL's with 128 KiB chunks and 0.5-0.9x with
 // 1 MiB (2-core AMD EPYC VM, 2 ranks x 1 thread, 25 M parameters, three rounds); on the
-// 16-core Xeon, 2 ranks x 8 threads, 1.8x with 256 KiB. Alone, 1 MiB chunks took 0.83-1.04x
+// 16-core Xeon, 2 ranks x 8 threads, 1.8x with 256 KiB. Alone, 1 MiB chunks took 0.73-1.04x
 // the time of 128 KiB ones on that EPYC (2 ranks, 256 KiB-64 MiB, two rounds). So a chunk is
 // at least 1 MiB (docs/performance.md, "The staging chunk"); but where a host's ranks
 // outnumber its CPUs, where staged chunks showed no steady difference (0.6-1.9x either way

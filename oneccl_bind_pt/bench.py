@@ -13,6 +13,9 @@ Columns (--backends), and the environment each one runs in:
             defaults; on one host, the shared-memory transport up to its crossover).
   pg        the ccl backend's own methods on that group, skipping torch.distributed's
             Python layer (pg -> ccl is torch.distributed's own cost).
+  future    the same calls as ccl with async_op=True, each waited on through its Work's
+            Future, as DDP waits for its buckets: the backend's background thread moves
+            them, not the waiting thread.
   gloo      the same torch.distributed calls on a gloo group.
   copy      no collective but the bound on one host: one plain copy of the same bytes
             on every rank at once, one thread per rank as in a collective.
@@ -97,6 +100,7 @@ class Column:
 COLUMNS = {
     "ccl": Column(),
     "pg": Column(),
+    "future": Column(),
     "oneccl": Column(env=GROUP_ENV["oneccl"]),
     WORKERS: Column(env=GROUP_ENV["oneccl"]),  # + the worker variables, per host (worker_layout)
     "gloo": Column(),
@@ -203,26 +207,35 @@ class Case:
             # one_intra_op_thread(): see there.
             src, dst = self.copy_buffers
             return lambda: dst.copy_(src)
-        g = self.groups[backend]
+        if backend == "future":
+            return self._torch_call(self.groups["ccl"], lambda work: work.get_future().wait())
+        return self._torch_call(self.groups[backend])
+
+    def _torch_call(self, g, wait=None):
+        """The op through torch.distributed on group `g`; with `wait`, started with
+        async_op=True and its Work handed to `wait`."""
+        op, inp, out, peer = self.op, self.inp, self.out, 1 - self.rank
+        kw = dict(group=g, async_op=True) if wait else dict(group=g)
+        done = wait or (lambda _: None)
         if op == "allreduce":
-            return lambda: dist.all_reduce(inp, group=g)
+            return lambda: done(dist.all_reduce(inp, **kw))
         if op == "allgather":
-            return lambda: _all_gather_single(out, inp, group=g)
+            return lambda: done(_all_gather_single(out, inp, **kw))
         if op == "reduce_scatter":
-            return lambda: _reduce_scatter_single(out, inp, group=g)
+            return lambda: done(_reduce_scatter_single(out, inp, **kw))
         if op == "alltoall":
-            return lambda: dist.all_to_all_single(out, inp, group=g)
+            return lambda: done(dist.all_to_all_single(out, inp, **kw))
         if op == "broadcast":
-            return lambda: dist.broadcast(inp, group_src=0, group=g)
-        peer = 1 - self.rank
+            return lambda: done(dist.broadcast(inp, group_src=0, **kw))
+        send, recv = (dist.isend, dist.irecv) if wait else (dist.send, dist.recv)
 
         def pingpong():
             if self.rank == 0:
-                dist.send(inp, group_dst=peer, group=g)
-                dist.recv(out, group_src=peer, group=g)
+                done(send(inp, group_dst=peer, group=g))
+                done(recv(out, group_src=peer, group=g))
             elif self.rank == 1:
-                dist.recv(out, group_src=peer, group=g)
-                dist.send(inp, group_dst=peer, group=g)
+                done(recv(out, group_src=peer, group=g))
+                done(send(inp, group_dst=peer, group=g))
 
         return pingpong
 
@@ -315,7 +328,9 @@ def one_intra_op_thread():
         torch.set_num_threads(threads)
 
 
-def time_calls(case, backend, iters):
+def time_calls(case, backend, iters, late=0.0):
+    """Times `iters` calls; with `late` (seconds, rank 1 only) each call starts that much
+    later, busy-waiting (a peer still computing), and is timed from when it starts."""
     call = case.call(backend)
     if backend == "raw":
         return list(call(iters))
@@ -323,13 +338,17 @@ def time_calls(case, backend, iters):
     clock = time.perf_counter
     with one_intra_op_thread() if backend == "copy" else contextlib.nullcontext():
         for _ in range(iters):
+            if late:
+                until = clock() + late
+                while clock() < until:
+                    pass
             start = clock()
             call()
             times.append(clock() - start)
     return times
 
 
-def run_point(case, backends, seconds, rounds, control):
+def run_point(case, backends, seconds, rounds, control, late=0.0):
     """Times each backend, interleaved over `rounds`; returns {backend: per-iteration seconds}."""
     # Iterations per backend so each spends about `seconds`: rank 0 estimates
     # (after a warm-up) and everybody follows.
@@ -344,10 +363,13 @@ def run_point(case, backends, seconds, rounds, control):
     for _ in range(rounds):
         for b in backends:
             dist.barrier(group=control)
-            times[b] += time_calls(case, b, per_round[b])
-    # Each iteration counts as its slowest rank.
+            times[b] += time_calls(case, b, per_round[b], late if case.rank == 1 else 0.0)
+    # Each iteration counts as its slowest rank; with `late`, as rank 1's: how long the op
+    # took once the late rank came, which is what the waiting ranks' polling costs it.
     for b in backends:
         t = torch.tensor(times[b], dtype=torch.float64)
+        if late and case.rank != 1:
+            t.zero_()
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
         times[b] = t.tolist()
     return times
@@ -453,7 +475,8 @@ def benchmark(args, rank, world):
             ok = torch.tensor([int(case.check(b))])
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=gloo_group)
             correct[b] = bool(ok.item())
-        times = run_point(case, backends, args.seconds, args.rounds, gloo_group)
+        late = args.late_us * 1e-6 if world > 1 else 0.0
+        times = run_point(case, backends, args.seconds, args.rounds, gloo_group, late)
         results += [summarize(case, dt, b, times[b], correct[b], world) for b in backends]
         if progress:
             progress.advance(progress.task_ids[0])
@@ -507,7 +530,9 @@ def report(results, world, args, sets):
             row.append(f"{mine.median_us - raw.median_us:+.1f}" if mine and raw else "-")
         row.append("yes" if all(p.correct for p in by.values()) else "NO")
         lines.append(row)
-    print_table(f"{world} ranks, {os.cpu_count()} CPUs; median of the slowest rank per call", header, lines)
+    who = (f"rank 1's time per call, rank 1 starting each {args.late_us:g} us late" if args.late_us and world > 1
+           else "the slowest rank per call")
+    print_table(f"{world} ranks, {os.cpu_count()} CPUs; median of {who}", header, lines)
 
 
 def print_table(title, header, lines):
@@ -573,7 +598,7 @@ def finish(results, world, args, sets, skipped):
         columns = {b: {"env": st["env"], "group_env": column(b).group_env, "processes": i}
                    for i, st in enumerate(sets) for b in st["columns"]}
         with open(args.json, "w") as f:
-            json.dump({"world": world, "cpus": os.cpu_count(), "memory_hog": args.memory_hog,
+            json.dump({"world": world, "cpus": os.cpu_count(), "memory_hog": args.memory_hog, "late_us": args.late_us,
                        "inherited_env": args.inherited_env, "columns": columns, "processes": sets,
                        "skipped": skipped, "points": [asdict(p) for p in results]}, f, indent=1)
     if args.plot:
@@ -696,6 +721,10 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named selection of ops and sizes")
     p.add_argument("--seconds", type=float, default=0.2, help="time spent per backend per point")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds per point")
+    p.add_argument("--late-us", type=float, default=0.0,
+                   help="rank 1 starts every call this much later than the others (busy-waiting, as a peer "
+                        "still computing); a call's time is then rank 1's, from its start to its end "
+                        "(raw's calls are not delayed)")
     p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn when not under a launcher")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write a PNG of time and bus bandwidth vs size here")

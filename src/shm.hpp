@@ -140,6 +140,10 @@ class Shm final : public Transport {
   int chunk_from_ = -1;     // the rank whose choice it is
   size_t window_bytes_ = 0; // this rank's single-copy reduce window, then the group's (connect)
 
+  // Grows at every move (a collective's step or chunk, slots of a send or recv): what
+  // the Pendings' moved() reads.
+  uint64_t moves_ = 0;
+
   // collectives
   uint64_t next_step_ = 0;
   std::deque<ShmPending*> fifo_;

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <numeric>
 #include <sstream>
+#include <tuple>
 
 namespace oneccl_bind_pt {
 
@@ -424,6 +425,15 @@ void ShmPending::leave_fifo() {
 }
 
 bool ShmPending::poll() {
+  const auto at = std::make_tuple(next_, chunk_, phase_);
+  const bool done = advance();
+  if (std::make_tuple(next_, chunk_, phase_) != at || done) {
+    ++shm_.moves_;
+  }
+  return done;
+}
+
+bool ShmPending::advance() {
   while (next_ < prims_.size()) {
     const Prim& p = prims_[next_];
     switch (phase_) {

@@ -10,7 +10,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace oneccl_bind_pt {
@@ -47,13 +46,15 @@ inline std::string human(size_t bytes) {
   return std::to_string(bytes) + " B";
 }
 
-// Spin on the cache line first; then give the core away so that ranks
-// outnumbering cores keep moving (see docs/performance.md).
-inline void relax(unsigned& spins) {
-  if (++spins > 64) {
-    std::this_thread::yield();
+// A Pending's moved(): whether the transport's count of moves changed since it last looked.
+struct MoveWatch {
+  uint64_t seen = ~uint64_t{0};
+  bool moved(uint64_t moves) {
+    const bool m = moves != seen;
+    seen = moves;
+    return m;
   }
-}
+};
 
 struct Shm::Sig {
   uint64_t step;

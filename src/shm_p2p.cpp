@@ -39,6 +39,7 @@ class ShmSend final : public Pending {
     }
     return done_;
   }
+  bool moved() override { return watch_.moved(shm_.moves_); }
   bool buffers_in_use_after_abort() const override { return false; }
 
  private:
@@ -54,6 +55,7 @@ class ShmSend final : public Pending {
   uint64_t read_by_ = 0; // single copy: done once the receiver's tail reaches this
   bool done_ = false;
   Clock::time_point next_check_ = Clock::now() + kLivenessAfter;
+  MoveWatch watch_;
 };
 
 class ShmRecv final : public Pending {
@@ -82,6 +84,7 @@ class ShmRecv final : public Pending {
     return done_;
   }
   int source_rank() const override { return source_; }
+  bool moved() override { return watch_.moved(shm_.moves_); }
   bool buffers_in_use_after_abort() const override { return false; }
 
   bool matches(int source, int tag) const { return (peer_ < 0 || peer_ == source) && tag_ == tag; }
@@ -126,6 +129,7 @@ class ShmRecv final : public Pending {
   bool peer_failed_ = false; // error_ is a DistBackendError, not a mismatch
   Shm::Incoming* in_ = nullptr;
   Clock::time_point next_check_ = Clock::now() + kLivenessAfter;
+  MoveWatch watch_;
 };
 
 
@@ -180,6 +184,7 @@ void Shm::pump_sends(int dst) {
       } while (!last && at - h < slots);
       copy_ranges(copies, k);
       store_release(head, at);
+      ++moves_;
       if (last) {
         if (s->single_copy_) {
           s->read_by_ = at;
@@ -259,6 +264,7 @@ void Shm::pump_incoming(int src) {
     }
     const bool last = slot(src, rank_, t + n - 1)->last != 0;
     store_release(tail, t + n);
+    ++moves_;
     if (last && in) {
       in->complete = true;
       if (in->recv) {

@@ -32,6 +32,8 @@ class ShmPending final : public Pending {
   ~ShmPending() override { leave_fifo(); }
 
   bool poll() override;
+  // Through oneCCL (a step above the limits): cannot tell, so true.
+  bool moved() override { return ccl_ != nullptr || watch_.moved(shm_.moves_); }
   bool buffers_in_use_after_abort() const override { return ccl_ != nullptr; }
 
  private:
@@ -59,6 +61,7 @@ class ShmPending final : public Pending {
   bool end_step();
   void check_liveness();
   void leave_fifo();
+  bool advance(); // poll()'s work; poll() counts its moves
   std::string describe(int q) const;
 
   Shm& shm_;
@@ -73,6 +76,7 @@ class ShmPending final : public Pending {
   Clock::time_point waiting_since_{};
   Clock::time_point next_check_{};
   std::unique_ptr<Pending> ccl_;
+  MoveWatch watch_;
 };
 
 } // namespace oneccl_bind_pt

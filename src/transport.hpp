@@ -62,6 +62,10 @@ class Pending {
  public:
   virtual ~Pending() = default;
   virtual bool poll() = 0;
+  // Whether anything moved since the last call (a step, a chunk, slots of a message),
+  // which tells a poller a stalled op from a moving one. A transport that cannot tell
+  // says true: oneCCL's ops move only while they are polled, so they are never left to wait.
+  virtual bool moved() { return true; }
   // recv from any source: the rank the message came from, once done.
   virtual int source_rank() const { return -1; }
   // Whether the transport may still read or write the op's buffers after a

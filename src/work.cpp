@@ -55,11 +55,44 @@ std::function<void()> start_event(const char* title, const std::vector<at::Tenso
   return at::wrapPropagateTLSState([event]() { event->end(); });
 }
 
-// Spin briefly (results often arrive within microseconds), then yield so an
-// oversubscribed machine can run the peers this op is waiting for.
-void relax(unsigned& spins) {
-  if (++spins > 64) {
-    std::this_thread::yield();
+// How a thread polls ops that have not finished. After a poll that moved anything, it
+// spins briefly (results often come within microseconds), then yields between polls, so
+// that ranks outnumbering cores keep running; after 512 polls in a row that moved nothing
+// (a peer still computing, or late) it sleeps 100 us between polls, so that torch's compute
+// threads keep the cores and a wait of seconds costs a few percent of a core, not all of it.
+// Counted in polls, not time: where ranks outnumber CPUs each yield may hand the core away
+// for a time slice, so the count is reached late there, and rightly (waking from a sleep
+// took milliseconds there: 4 ranks on 2 cores, with sleeps after 1 ms without a move, took
+// 7.8 ms for an allreduce of 4 KiB waited on through its Future, 0.2-0.4 ms without).
+// What moved is the transports' to say (Pending::moved); only a finished op counted before,
+// so a large op, or one whose peer came late, went on at one step per sleep once it had
+// waited 512 polls (an allreduce of 16 MiB waited on through its Future, as DDP waits,
+// took 1.5-1.7x the time of one waited on by wait(), with a peer 5 ms late).
+class Backoff {
+ public:
+  // After a poll: how long to sleep before the next; zero where it spun or yielded.
+  std::chrono::microseconds pause(bool moved) {
+    still_ = moved ? 0 : still_ + 1;
+    if (still_ <= kSpins) {
+      return std::chrono::microseconds(0);
+    }
+    if (still_ <= kYields) {
+      std::this_thread::yield();
+      return std::chrono::microseconds(0);
+    }
+    return std::chrono::microseconds(100);
+  }
+
+ private:
+  static constexpr unsigned kSpins = 64;
+  static constexpr unsigned kYields = 512;
+  unsigned still_ = 0; // polls in a row that moved nothing
+};
+
+// Sleeps `d` (from Backoff::pause), but not past `limit`.
+void sleep_within(std::chrono::microseconds d, Clock::time_point limit) {
+  if (d.count() > 0) {
+    std::this_thread::sleep_until(std::min(Clock::now() + d, limit));
   }
 }
 
@@ -262,9 +295,9 @@ bool WorkCCL::wait(std::chrono::milliseconds timeout) {
       explicit Waiting(Progress& p) : p(p) { p.waiters.fetch_add(1); }
       ~Waiting() { p.waiter_left(); }
     } waiting(progress);
-    unsigned spins = 0;
+    Backoff backoff;
     while (!done_.load(std::memory_order_acquire)) {
-      progress.sweep();
+      const bool moved = progress.sweep();
       if (done_.load(std::memory_order_acquire)) {
         break;
       }
@@ -275,7 +308,7 @@ bool WorkCCL::wait(std::chrono::milliseconds timeout) {
                 std::to_string(timeout.count()) +
                 " ms; the operation is still in flight and may complete later");
       }
-      relax(spins);
+      sleep_within(backoff.pause(moved), limit);
     }
   }
   if (auto e = exception()) {
@@ -339,12 +372,13 @@ void Progress::abandon(c10::intrusive_ptr<WorkCCL> work) {
   abandoned_.push_back(std::move(work));
 }
 
-void Progress::sweep() {
+bool Progress::sweep() {
   std::vector<c10::intrusive_ptr<WorkCCL>> finished;
+  bool moved = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (inflight_.empty()) {
-      return;
+      return false;
     }
     const auto now = Clock::now();
     for (size_t i = 0; i < inflight_.size();) {
@@ -355,6 +389,10 @@ void Progress::sweep() {
         finished.push_back(std::move(inflight_[i]));
         inflight_.erase(inflight_.begin() + static_cast<std::ptrdiff_t>(i));
       } else {
+        // Asked of every Work (not short-circuited): each keeps what it last saw.
+        if (inflight_[i]->pending && inflight_[i]->pending->moved()) {
+          moved = true;
+        }
         ++i;
       }
     }
@@ -362,12 +400,13 @@ void Progress::sweep() {
   for (auto& work : finished) {
     work->complete();
   }
+  return moved || !finished.empty();
 }
 
 bool Progress::drain(const Communicator& comm, Clock::time_point deadline) {
-  unsigned spins = 0;
+  Backoff backoff;
   for (;;) {
-    sweep();
+    const bool moved = sweep();
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (std::none_of(inflight_.begin(), inflight_.end(), [&](const auto& w) { return w->comm_.get() == &comm; })) {
@@ -377,7 +416,7 @@ bool Progress::drain(const Communicator& comm, Clock::time_point deadline) {
     if (Clock::now() > deadline) {
       return false;
     }
-    relax(spins);
+    sleep_within(backoff.pause(moved), deadline);
   }
 }
 
@@ -398,11 +437,11 @@ void Progress::watch_future() {
 
 void Progress::background_loop() {
   pthread_setname_np(pthread_self(), "ccl-progress");
-  unsigned idle = 0;
+  Backoff backoff;
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_) {
     if (inflight_.empty() || watched_.load() == 0) {
-      idle = 0;
+      backoff = Backoff();
       cv_.wait(lock);
       continue;
     }
@@ -410,20 +449,12 @@ void Progress::background_loop() {
       cv_.wait_for(lock, std::chrono::milliseconds(1));
       continue;
     }
-    const size_t before = inflight_.size();
     lock.unlock();
-    sweep();
+    const bool moved = sweep();
+    const auto pause = backoff.pause(moved);
     lock.lock();
-    if (inflight_.size() < before) {
-      idle = 0;
-    } else if (++idle > 512) {
-      // Nothing moved for a while (a peer is computing): poll gently so the
-      // compute threads keep the cores. A new Future wakes us at once.
-      cv_.wait_for(lock, std::chrono::microseconds(100));
-    } else {
-      lock.unlock();
-      std::this_thread::yield();
-      lock.lock();
+    if (pause.count() > 0) {
+      cv_.wait_for(lock, pause); // a new Future wakes it at once
     }
   }
 }

@@ -146,8 +146,9 @@ class Progress {
   // op, which after a peer's death never ends: measured, freeing one spun
   // for good or died of SIGABRT inside that wait.
   void abandon(c10::intrusive_ptr<WorkCCL> work);
-  // One pass over every in-flight Work; completes the ones that finished.
-  void sweep();
+  // One pass over every in-flight Work; completes the ones that finished. Returns whether
+  // anything moved: a Work finished, or a transport moved one on (or cannot tell).
+  bool sweep();
   // Progresses until no Work of `comm` is in flight (true), or until
   // `deadline` (false).
   bool drain(const Communicator& comm, Clock::time_point deadline);

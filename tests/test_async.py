@@ -246,3 +246,41 @@ def test_deprecated_collective_names(transport):
 
 # The list-coalesced forms (all_gather_coalesced, all_reduce_coalesced) are
 # compared with gloo's results in test_vs_gloo.py.
+
+
+def _late_peer(rank, world):
+    expect_transport()
+    late = 1.0
+    spent = {}
+    for form in ("wait", "future", "recv"):
+        t = torch.ones(4)
+        if rank == 1:
+            await_announcement(f"waiting/{form}")
+            time.sleep(late)  # the late peer: the duration under test, not a synchronisation
+            if form == "recv":
+                dist.send(t, 0)
+            else:
+                dist.all_reduce(t)
+            continue
+        announce(f"waiting/{form}")
+        wall, cpu = time.perf_counter(), time.process_time()
+        if form == "wait":
+            dist.all_reduce(t)
+        elif form == "future":
+            dist.all_reduce(t, async_op=True).get_future().wait()
+        else:
+            dist.recv(t, 1)
+        spent[form] = (time.process_time() - cpu, time.perf_counter() - wall)
+        assert t.tolist() == [2.0 if form != "recv" else 1.0] * 4
+    dist.barrier()
+    return spent
+
+
+def test_a_rank_waiting_for_a_late_peer_leaves_the_cpu():
+    """A rank whose peer comes a second late polls ever more gently, whoever waits (wait(), the
+    background thread behind a Future, a recv), instead of spinning a core through it (it did:
+    a 1 s wait cost 1 s of CPU; gloo blocks). All its threads count, helpers included."""
+    spent = run_ranks(_late_peer, 2, env=TRANSPORTS["shm"])[0]
+    for form, (cpu, wall) in spent.items():
+        assert wall >= 0.9, (form, wall)
+        assert cpu < 0.25 * wall, f"{form}: {cpu:.3f} s of CPU in a {wall:.3f} s wait"

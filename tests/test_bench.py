@@ -97,6 +97,29 @@ def test_a_column_of_a_group_variable_shares_the_ccl_processes():
             bench.parse_args(["--backends", f"ccl,{bad}"])
 
 
+def test_a_late_rank_and_the_future_column(tmp_path):
+    # --late-us: rank 1 comes late to every call, and a call's time is rank 1's (the op after it
+    # came), so that the waiting ranks' polling shows; `future` waits through the Work's Future.
+    out = tmp_path / "late.json"
+    proc = popen(
+        [sys.executable, "-m", "oneccl_bind_pt.bench", "--nprocs", "2", "--ops", "allreduce,sendrecv", "--sizes",
+         "4K", "--backends", "ccl,future", "--late-us", "3000", "--seconds", "0.01", "--rounds", "2", "--quiet",
+         "--json", out],
+        cwd=ROOT / "tests", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    (text,) = communicate([proc], 300)
+    assert proc.returncode == 0, text
+    assert "median of rank 1's time per call, rank 1 starting each 3000 us late" in text, text
+    result = json.loads(out.read_text())
+    assert result["late_us"] == 3000
+    points = result["points"]
+    assert {(p["op"], p["backend"]) for p in points} == {(o, b) for o in ("allreduce", "sendrecv")
+                                                         for b in ("ccl", "future")}
+    assert all(p["correct"] for p in points), points
+    # Rank 1's time, not rank 0's (which waited the 3 ms as well).
+    assert all(p["median_us"] < 3000 for p in points), points
+
+
 CHUNK_COLUMN = "ccl:ONECCL_BIND_PT_SHM_CHUNK_BYTES=64K"
 
 

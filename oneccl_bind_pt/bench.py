@@ -355,7 +355,8 @@ def run_point(case, backends, seconds, rounds, control, late=0.0):
     estimates = []
     for b in backends:
         time_calls(case, b, 2)
-        estimates.append(statistics.median(time_calls(case, b, 3)))
+        # A late rank 1 adds its delay to every call (raw's excepted).
+        estimates.append(statistics.median(time_calls(case, b, 3)) + (late if b != "raw" else 0.0))
     iters = torch.tensor([max(rounds, min(20000, int(seconds / max(e, 1e-7)))) for e in estimates])
     dist.broadcast(iters, group_src=0, group=control)
     per_round = {b: max(1, int(n) // rounds) for b, n in zip(backends, iters.tolist())}
@@ -724,7 +725,7 @@ def parse_args(argv=None):
     p.add_argument("--late-us", type=float, default=0.0,
                    help="rank 1 starts every call this much later than the others (busy-waiting, as a peer "
                         "still computing); a call's time is then rank 1's, from its start to its end "
-                        "(raw's calls are not delayed)")
+                        "(raw's calls are not delayed, and are rank 1's time as well)")
     p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn when not under a launcher")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write a PNG of time and bus bandwidth vs size here")
@@ -747,6 +748,8 @@ def parse_args(argv=None):
             args.sizes.append(size)
             size *= args.factor
     check_choices(p, op=(args.ops, OPS), dtype=(args.dtypes, DTYPES))
+    if args.late_us < 0:
+        p.error(f"--late-us {args.late_us:g}: expected a delay of 0 us or more")
     bad = [b for b in args.backends if not column(b)]
     if bad:
         p.error(f"unknown backend {bad}; expected some of {BACKENDS}, or ccl:VAR=VALUE with VAR one of "

@@ -57,17 +57,19 @@ std::function<void()> start_event(const char* title, const std::vector<at::Tenso
 
 // How a thread polls ops that have not finished. After a poll that moved anything, it
 // spins briefly (results often come within microseconds), then yields between polls, so
-// that ranks outnumbering cores keep running; after 512 polls in a row that moved nothing
-// (a peer still computing, or late) it sleeps 100 us between polls, so that torch's compute
-// threads keep the cores and a wait of seconds costs a few percent of a core, not all of it.
-// Counted in polls, not time: where ranks outnumber CPUs each yield may hand the core away
-// for a time slice, so the count is reached late there, and rightly (waking from a sleep
-// took milliseconds there: 4 ranks on 2 cores, with sleeps after 1 ms without a move, took
-// 7.8 ms for an allreduce of 4 KiB waited on through its Future, 0.2-0.4 ms without).
+// that ranks outnumbering cores keep running; once 512 polls in a row and 1 ms have passed
+// without a move (a peer still computing, or late) it sleeps 100 us between polls, so that
+// torch's compute threads keep the cores and a wait of seconds costs a few percent of a
+// core, not all of it.
+// Both bounds: where ranks outnumber CPUs each yield may hand the core away for a time
+// slice, and there a thread woken from a sleep waited milliseconds for its core (4 ranks on
+// 2 cores, sleeping after 1 ms without a move: an allreduce of 4 KiB waited on through its
+// Future took 7.8 ms, 0.2-0.4 ms without), so the count, reached late there, holds sleeps
+// back; on idle cores 512 polls pass in ~0.2 ms, so the time holds back a rank whose peer
+// is busy a little longer (a large chunk without helpers, a core shared with compute).
 // What moved is the transports' to say (Pending::moved); only a finished op counted before,
 // so a large op, or one whose peer came late, went on at one step per sleep once it had
-// waited 512 polls (an allreduce of 16 MiB waited on through its Future, as DDP waits,
-// took 1.5-1.7x the time of one waited on by wait(), with a peer 5 ms late).
+// waited 512 polls (docs/performance.md, "How a waiting rank polls").
 class Backoff {
  public:
   // After a poll: how long to sleep before the next; zero where it spun or yielded.
@@ -76,7 +78,11 @@ class Backoff {
     if (still_ <= kSpins) {
       return std::chrono::microseconds(0);
     }
-    if (still_ <= kYields) {
+    const auto now = Clock::now();
+    if (still_ == kSpins + 1) {
+      yielding_since_ = now;
+    }
+    if (still_ <= kYields || now - yielding_since_ < kYieldFor) {
       std::this_thread::yield();
       return std::chrono::microseconds(0);
     }
@@ -86,7 +92,9 @@ class Backoff {
  private:
   static constexpr unsigned kSpins = 64;
   static constexpr unsigned kYields = 512;
+  static constexpr auto kYieldFor = std::chrono::milliseconds(1);
   unsigned still_ = 0; // polls in a row that moved nothing
+  Clock::time_point yielding_since_{};
 };
 
 // Sleeps `d` (from Backoff::pause), but not past `limit`.
@@ -454,7 +462,7 @@ void Progress::background_loop() {
     const auto pause = backoff.pause(moved);
     lock.lock();
     if (pause.count() > 0) {
-      cv_.wait_for(lock, pause); // a new Future wakes it at once
+      cv_.wait_for(lock, pause); // a new Future wakes it (one that came during the sweep does not)
     }
   }
 }

@@ -239,7 +239,12 @@ void WorkCCL::complete() {
   parts.clear();
   if (!expired_ || (pending && !pending->buffers_in_use_after_abort())) {
     // The transport is done with these; an expired oneCCL op keeps them, as it may not be.
-    pending.reset();
+    // Under Progress's lock: a shared-memory Pending's destructor edits its transport's
+    // queues (sends, posted recvs, the FIFO), which other threads issue to and sweep.
+    {
+      std::lock_guard<std::mutex> lock(Progress::get().ccl_mutex());
+      pending.reset();
+    }
     buffers.clear();
   }
   if (end_backend_event_) {

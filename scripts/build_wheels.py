@@ -91,13 +91,13 @@ def build_venv(torch: str, python: str, work: Path) -> Path:
     run([releases.find_python(python), "-m", "venv", venv])
     tools = [line for line in releases.requirements(torch).read_text().splitlines()
              if line.split("==")[0] in ("setuptools", "wheel", "ninja")]
-    # --no-compile: byte-compiling torch's thousands of modules is most of a CPU torch's install
-    # time (13 s -> 6 s); the few a build imports compile when first imported.
-    pip = [py, "-m", "pip", "install", *QUIET, "--no-compile"]
+    # Without byte-compiling: that is most of a CPU torch's install time with pip (13 s -> 6 s);
+    # the few modules a build imports compile when first imported.
+    install, env = releases.install_command(py, releases.pip_env(torch))
     # --no-deps: compiling needs torch's headers and libraries, not its nvidia-* packages.
-    run(pip + ["--no-deps", f"torch=={torch}", f"oneccl-devel=={row['oneccl']}", f"tcmlib=={row['tcmlib']}"],
-        env=releases.pip_env(torch))
-    run(pip + tools)
+    run(install + ["--no-deps", f"torch=={torch}", f"oneccl-devel=={row['oneccl']}", f"tcmlib=={row['tcmlib']}"],
+        env=env)
+    run(install + tools, env=env)
     marker.write_text(want)
     return venv
 

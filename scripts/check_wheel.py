@@ -5,8 +5,9 @@
     python scripts/check_wheel.py --torch 2.14.1 --python 3.12    # a selection (both repeatable)
 
 For each (torch, Python) pair: a fresh venv of that Python (in a temporary folder) gets
-`pip install torch==<version>` and nothing else; then the pair's manylinux wheel from
-dist/ is installed with CC=/bin/false CXX=/bin/false (a build step would fail) and must
+torch==<version> and nothing else (through uv where this interpreter has it, else pip:
+releases.install_command); then the pair's manylinux wheel from dist/ is installed by the
+venv's pip with CC=/bin/false CXX=/bin/false (a build step would fail) and must
 bring its runtime (impi-rt: mpirun + libfabric; tcmlib: hwloc) as declared requirements,
 without oneccl-devel. Then, from outside the checkout, examples/ddp.py trains on 2 ranks
 under `torchrun --nproc_per_node 2` and `mpirun -n 2` (the venv's, from impi-rt): all four
@@ -97,7 +98,11 @@ def check(torch: str, python: str, wheel: Path, venv: Path) -> dict:
 
     t = time.monotonic()
     run([releases.find_python(python), "-m", "venv", venv], base, venv.parent)
-    run(pip + [f"torch=={torch}"], releases.pip_env(torch, base), venv.parent, timeout=3600)
+    # torch (a CUDA build with its nvidia-* packages for most pairs) is the venv's setting, not
+    # what is proven: laid down by uv where there is one (releases.install_command), the wheel below
+    # by the venv's pip, as a user installs it.
+    install, env = releases.install_command(py, releases.pip_env(torch, base))
+    run(install + [f"torch=={torch}"], env, venv.parent, timeout=3600)
     rep["torch_venv_s"] = round(time.monotonic() - t, 1)
     rep["torch_venv_mib"] = round(releases.dir_mib(venv))
     say(f"torch {torch} / Python {python}: fresh venv with torch in {rep['torch_venv_s']} s, "

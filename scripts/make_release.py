@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+import releases  # this folder's: run as a script, or imported with it on sys.path (the tests)
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 
@@ -107,9 +109,9 @@ def clean_env() -> dict:
             if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME") and not k.startswith("PYTEST_")}
 
 
-def step(cmd, timeout: float = 3600, cwd: Path = ROOT) -> str:
+def step(cmd, timeout: float = 3600, cwd: Path = ROOT, env: dict | None = None) -> str:
     """Runs one step in its own session (a timeout ends its ranks too); its output, or exits."""
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=clean_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -132,12 +134,14 @@ def subset_pins(meta: dict, torch: str) -> list[str]:
             *(pin for group in ("build", "test", "bench") for pin in meta["pip"][group]["pins"])]
 
 
-def prove_subset(venv: Path, meta: dict, torch: str, name: str, root: Path = ROOT, timeout: float = 3600) -> str:
-    """Runs SUBSETS[name] of root's tests/ with venv's pytest against the wheel installed there."""
+def prove_subset(venv: Path, meta: dict, torch: str, name: str, root: Path = ROOT, timeout: float = 3600,
+                 env: dict | None = None) -> str:
+    """Runs SUBSETS[name] of root's tests/ with venv's pytest against the wheel installed there.
+    env: the install's environment (by default clean_env())."""
     if not SUBSETS[name]:
         return ""
-    step([venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile",
-          *subset_pins(meta, torch)], timeout=1800, cwd=root)
+    install, install_env = releases.install_command(venv / "bin" / "python", env or clean_env())
+    step([*install, *subset_pins(meta, torch)], timeout=1800, cwd=root, env=install_env)
     return step([venv / "bin" / "pytest", "-q", "-p", "no:cacheprovider", *SUBSETS[name]], timeout=timeout, cwd=root)
 
 

@@ -38,6 +38,7 @@ from test_conda import conda_proof
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+import releases  # noqa: E402
 from make_release import clean_env, prove_subset  # noqa: E402
 
 META = yaml.safe_load((ROOT / "meta" / "releases.yaml").read_text())
@@ -48,9 +49,16 @@ WORK = ROOT / "build" / "release"
 PRUNE = ["--prune"] if os.environ.get("CI") else []
 
 
-def _run(cmd, timeout, cwd=ROOT):
+def _run(cmd, timeout, cwd=ROOT, env=None):
     # Its own session: a timeout kills the inner run's ranks too, not only its pytest.
-    return run_job(cmd, cwd=cwd, env=clean_env(), timeout=timeout)
+    return run_job(cmd, cwd=cwd, env=env or clean_env(), timeout=timeout)
+
+
+def _uv_cache(pair) -> Path:
+    """The pair's own uv cache (scripts/releases.py install_command): its build venv and its proof
+    venv take torch from it, linked, not unpacked twice. Removed with the pair's proof venv: it
+    holds what the pair's venvs hold (a CUDA torch and its nvidia-* packages, about 7 GB)."""
+    return WORK / "uv-cache" / _id(pair)
 
 
 def _id(pair):
@@ -79,13 +87,13 @@ def _tree_before(tmp, torch):
     return tree
 
 
-def _via_release_command(pair, tmp, dist):
+def _via_release_command(pair, tmp, dist, env):
     """The release path of docs/releasing.md on a tree without the pair's release: one edit
     (meta/releases.yaml given its entry and ci pair again) and one command (scripts/make_release.py)."""
     tree = _tree_before(tmp, pair["torch"])
     (tree / "meta" / "releases.yaml").write_text((ROOT / "meta" / "releases.yaml").read_text())  # the one edit
     out = _run([sys.executable, "scripts/make_release.py", "--torch", pair["torch"], "--python", pair["python"],
-                "--subset", pair["subset"], "--dist", dist, "--work", WORK, *PRUNE], timeout=3600, cwd=tree)
+                "--subset", pair["subset"], "--dist", dist, "--work", WORK, *PRUNE], timeout=3600, cwd=tree, env=env)
     # The command wrote what the checkout holds for that release, and named what to publish.
     for name in (f"requirements/torch-{pair['torch']}.txt", "oneccl_bind_pt/_version.py", "README.md",
                  "recipe/conda_build_config.yaml", f"environments/torch-{pair['torch']}-py{pair['python']}.yml"):
@@ -106,6 +114,8 @@ def proven(request, tmp_path_factory):
     proof = {"pair": pair, "dist": tmp_path_factory.mktemp("dist"), "venv": None}
     select = ["--torch", pair["torch"], "--python", pair["python"]]
     venv = WORK / "check" / f"venv-torch{pair['torch']}-py{pair['python']}"
+    env = {**clean_env(), "UV_CACHE_DIR": str(_uv_cache(pair))}
+    proof["env"] = env
     took = []
     try:
         # Its build venv and the proof venv's CUDA torch: about 7 GB.
@@ -114,19 +124,19 @@ def proven(request, tmp_path_factory):
         start = time.monotonic()
         if pair.get("release_command"):
             proof["built"] = proof["checked"] = proof["subset"] = _via_release_command(
-                pair, tmp_path_factory.mktemp("release"), proof["dist"])
+                pair, tmp_path_factory.mktemp("release"), proof["dist"], env)
             took.append(f"make_release {time.monotonic() - start:.0f} s")
         else:
             proof["built"] = _run([sys.executable, "scripts/build_wheels.py", *select, "--dist", proof["dist"], "--work",
-                                   WORK, *(["--from-sdist"] if pair["from_sdist"] else []), *PRUNE], timeout=3600)
+                                   WORK, *(["--from-sdist"] if pair["from_sdist"] else []), *PRUNE], timeout=3600, env=env)
             took.append(f"build {time.monotonic() - start:.0f} s")
             start = time.monotonic()
             proof["checked"] = _run([sys.executable, "scripts/check_wheel.py", *select, "--dist", proof["dist"], "--work",
-                                     WORK / "check", "--keep"], timeout=3600)
+                                     WORK / "check", "--keep"], timeout=3600, env=env)
             proof["venv"] = venv
             took.append(f"wheel check {time.monotonic() - start:.0f} s")
             start = time.monotonic()
-            proof["subset"] = prove_subset(venv, META, pair["torch"], pair["subset"])
+            proof["subset"] = prove_subset(venv, META, pair["torch"], pair["subset"], env=env)
             took.append(f"subset {pair['subset']} {time.monotonic() - start:.0f} s")
     except (Exception, SystemExit) as e:  # a failed step exits with its output (make_release.step)
         proof["failed"] = f"{type(e).__name__}: {e}"
@@ -135,8 +145,10 @@ def proven(request, tmp_path_factory):
     try:
         yield proof
     finally:
-        # About 5.5 GB (a CUDA torch) and made fresh every run: gone before the next pair's.
+        # About 5.5 GB (a CUDA torch) and made fresh every run: gone before the next pair's, with
+        # the cache it was linked from.
         shutil.rmtree(venv, ignore_errors=True)
+        shutil.rmtree(_uv_cache(pair), ignore_errors=True)
 
 
 def _step(proven, name):
@@ -179,8 +191,8 @@ def test_conda_package_on_the_pairs_python(proven, tmp_path, record_property):
     if not pair.get("conda"):
         pytest.skip(f"the conda proof runs on the pair marked conda in meta/releases.yaml, not {_id(pair)}")
     _step(proven, "checked")
-    _run([proven["venv"] / "bin" / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-          "--no-compile", *META["pip"]["conda"]["pins"]], timeout=1800)
+    install, env = releases.install_command(proven["venv"] / "bin" / "python", proven["env"])
+    _run([*install, *META["pip"]["conda"]["pins"]], timeout=1800, env=env)
     waited = wait_for_disk(tmp_path, 10, f"{_id(pair)}'s conda proof")
     start = time.monotonic()
     # Its stand-ins (a CUDA torch's nvidia-* libraries) take about 12 GB at the peak (3 GB of wheels,

@@ -237,3 +237,40 @@ def test_recipe_renders_one_package_per_pair_with_its_pins():
         # Run-pinned to the torch minor it was built with: >=X.Y.Z,<X.(Y+1).0a0 once solved.
         assert {"pin_compatible": {"name": "pytorch", "lower_bound": "x.x.x.x.x.x", "upper_bound": "x.x"}} in run, run
         assert f"impi_rt >={rel['impi_rt']}" in run
+
+
+def test_install_command_carries_pips_settings_to_uv(tmp_path):
+    """The release pairs' venvs get their torch through uv (releases.install_command): from where
+    pip would take it. pip's settings become uv's options, its environment over its files, and a
+    constraint of /dev/null (pip_env's lift of a machine's cap) is no constraint."""
+    import_or_require("uv")
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nindex-url = https://mirror.example/simple\n"
+                    "extra-index-url = file:///a/simple file:///b/simple\nfind-links = /wheels\n"
+                    "cert = /certs/ca.pem\n[install]\nconstraint = /caps.txt\n")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PIP_CONFIG_FILE": str(conf)}
+    cmd, out_env = releases.install_command(Path("/venv/bin/python"), env)
+    assert cmd[1:5] == ["pip", "install", "--quiet", "--python"] and cmd[5] == "/venv/bin/python", cmd
+    pairs = list(zip(cmd[6::2], cmd[7::2]))
+    for expected in [("--index-strategy", "unsafe-best-match"), ("--index-url", "https://mirror.example/simple"),
+                     ("--extra-index-url", "file:///a/simple"), ("--extra-index-url", "file:///b/simple"),
+                     ("--find-links", "/wheels"), ("--constraint", "/caps.txt")]:
+        assert expected in pairs, cmd
+    assert out_env["SSL_CERT_FILE"] == "/certs/ca.pem"
+    lifted, _ = releases.install_command(Path("/venv/bin/python"), {**env, "PIP_CONSTRAINT": "/dev/null"})
+    assert "--constraint" not in lifted and "/caps.txt" not in lifted, lifted
+
+
+def test_install_command_installs_into_the_named_venv(tmp_path):
+    """It installs from this machine's configured sources into the venv it names, not the caller's."""
+    import_or_require("uv")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
+    pin = next(p for p in META["pip"]["test"]["pins"] if p.startswith("execnet=="))
+    cmd, env = releases.install_command(venv / "bin" / "python")
+    proc = subprocess.run([*cmd, pin], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    found = subprocess.run([venv / "bin" / "python", "-c", "import execnet; print(execnet.__version__, execnet.__file__)"],
+                           capture_output=True, text=True, timeout=60)
+    version, path = found.stdout.split()
+    assert pin == f"execnet=={version}" and path.startswith(str(venv)), found

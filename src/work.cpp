@@ -442,6 +442,7 @@ void Progress::waiter_left() {
 void Progress::watch_future() {
   std::lock_guard<std::mutex> lock(mutex_);
   watched_.fetch_add(1);
+  ++futures_seen_;
   if (!background_.joinable() && !stop_) {
     background_ = std::thread([this] { background_loop(); });
   }
@@ -462,12 +463,15 @@ void Progress::background_loop() {
       cv_.wait_for(lock, std::chrono::milliseconds(1));
       continue;
     }
+    const uint64_t futures = futures_seen_;
     lock.unlock();
     const bool moved = sweep();
     const auto pause = backoff.pause(moved);
     lock.lock();
-    if (pause.count() > 0) {
-      cv_.wait_for(lock, pause); // a new Future wakes it (one that came during the sweep does not)
+    if (futures_seen_ != futures) {
+      backoff = Backoff(); // a new op to move: poll it at once
+    } else if (pause.count() > 0) {
+      cv_.wait_for(lock, pause); // a new Future wakes it
     }
   }
 }

@@ -173,6 +173,9 @@ class Progress {
   std::vector<c10::intrusive_ptr<WorkCCL>> abandoned_;
   std::thread background_;
   std::atomic<int> watched_{0};
+  // Futures handed out so far (under mutex_): the background thread's pause after a sweep is
+  // skipped when one came during the sweep, whose notify found nobody waiting.
+  uint64_t futures_seen_ = 0;
   bool stop_ = false;
 };
 

@@ -268,7 +268,7 @@ def _apply_worker_defaults(env: MutableMapping[str, str], oneccl_carries: bool) 
 
     # The local layout oneCCL will read (the user's CCL_LOCAL_* if set).
     local_rank, local_size = int(env["CCL_LOCAL_RANK"]), int(env["CCL_LOCAL_SIZE"])
-    cores, pinned, cores_why = _C.rank_cores(local_size)
+    cores, pinned, cores_why, _ = _C.rank_cores(local_size)
     count, cpus, why = worker_plan(env, local_rank=local_rank, local_size=local_size, oneccl_carries=oneccl_carries,
                                    cores=cores, pinned=pinned, torch_threads=max(1, torch.get_num_threads()),
                                    cpus=list(os.sched_getaffinity(0)))

@@ -143,7 +143,7 @@ def _workers() -> str:
     if any(v in env for v in _env.WORKER_VARS):
         return "as CCL_WORKER_* set by you: " + ", ".join(f"{v}={env[v]}" for v in _env.WORKER_VARS if v in env)
     local_rank, local_size = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1))
-    cores, pinned, cores_why = _C.rank_cores(local_size)
+    cores, pinned, cores_why, _ = _C.rank_cores(local_size)
 
     def plan(asked):
         count, cpus, why = _env.worker_plan({**env, "ONECCL_BIND_PT_WORKERS": asked}, local_rank=local_rank,

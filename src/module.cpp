@@ -171,10 +171,11 @@ PYBIND11_MODULE(_C, m) {
       "rank_cores",
       [](int local_ranks) {
         const auto r = oneccl_bind_pt::rank_cores(local_ranks);
-        return py::make_tuple(r.cores, r.pinned, r.why);
+        return py::make_tuple(r.cores, r.pinned, r.why, r.crowded);
       },
       py::arg("local_ranks"),
-      "(cores, pinned, why): the cores this rank has with `local_ranks` ranks on its host.");
+      "(cores, pinned, why, crowded): the cores this rank has with `local_ranks` ranks on its host, "
+      "and whether those ranks outnumber the CPUs they share.");
   m.def("ccl_runtime_version", &runtime_ccl_version, "oneCCL version loaded at run time.");
   m.attr("ccl_build_version") = std::to_string(CCL_MAJOR_VERSION) + "." +
       std::to_string(CCL_MINOR_VERSION) + "." + std::to_string(CCL_UPDATE_VERSION);

@@ -93,15 +93,15 @@ def check(torch: str, python: str, wheel: Path, venv: Path) -> dict:
     base = {k: v for k, v in os.environ.items() if not k.startswith(LEAKS)}
     base["PATH"] = f"{venv / 'bin'}{os.pathsep}/usr/bin:/bin"
     py = venv / "bin" / "python"
-    # --no-compile: what a run imports compiles on first import (build_wheels.py says why).
-    pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"]
+    pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
 
     t = time.monotonic()
     run([releases.find_python(python), "-m", "venv", venv], base, venv.parent)
     # torch (a CUDA build with its nvidia-* packages for most pairs) is the venv's setting, not
     # what is proven: laid down by uv where there is one (releases.install_command), the wheel below
     # by the venv's pip, as a user installs it.
-    install, env = releases.install_command(py, releases.pip_env(torch, base))
+    # Byte-compiled: every rank of the proofs and of the pair's subset imports torch.
+    install, env = releases.install_command(py, releases.pip_env(torch, base), compile=True)
     run(install + [f"torch=={torch}"], env, venv.parent, timeout=3600)
     rep["torch_venv_s"] = round(time.monotonic() - t, 1)
     rep["torch_venv_mib"] = round(releases.dir_mib(venv))

@@ -140,7 +140,7 @@ def prove_subset(venv: Path, meta: dict, torch: str, name: str, root: Path = ROO
     env: the install's environment (by default clean_env())."""
     if not SUBSETS[name]:
         return ""
-    install, install_env = releases.install_command(venv / "bin" / "python", env or clean_env())
+    install, install_env = releases.install_command(venv / "bin" / "python", env or clean_env(), compile=True)
     step([*install, *subset_pins(meta, torch)], timeout=1800, cwd=root, env=install_env)
     return step([venv / "bin" / "pytest", "-q", "-p", "no:cacheprovider", *SUBSETS[name]], timeout=timeout, cwd=root)
 

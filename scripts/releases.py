@@ -152,10 +152,11 @@ def _pip_settings(env: dict) -> dict[str, str]:
     return {name: value for name, (_, value) in ranked.items()}
 
 
-def install_command(python: Path, env: dict | None = None) -> tuple[list[str], dict]:
+def install_command(python: Path, env: dict | None = None, compile: bool = False) -> tuple[list[str], dict]:
     """A command that installs packages into the environment of `python` (a venv's interpreter),
-    without byte-compiling them, and the environment to run it in (from `env`, by default this
-    process's).
+    and the environment to run it in (from `env`, by default this process's). `compile`: byte-compile
+    what it installs, for a venv whose processes import torch many times (see scripts/setup.sh:
+    where bytecode is not written at import, each import compiles torch's modules again).
 
     uv's `uv pip install` where this interpreter has uv (the pinned stack's release group), with
     pip's configuration carried over (indexes, find-links, constraints, certificate) and pip's rule
@@ -169,8 +170,10 @@ def install_command(python: Path, env: dict | None = None) -> tuple[list[str], d
 
         uv = find_uv_bin()
     except (ImportError, FileNotFoundError):
-        return [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"], env
-    cmd = [uv, "pip", "install", "--quiet", "--python", str(python), "--index-strategy", "unsafe-best-match"]
+        return [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                *([] if compile else ["--no-compile"])], env
+    cmd = [uv, "pip", "install", "--quiet", "--python", str(python), "--index-strategy", "unsafe-best-match",
+           *(["--compile-bytecode"] if compile else [])]
     settings = _pip_settings(env)
     for name, option in _PIP_TO_UV.items():
         cmd += [arg for value in settings.get(name, "").split() if value != "/dev/null" for arg in (option, value)]

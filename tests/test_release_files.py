@@ -259,6 +259,8 @@ def test_install_command_carries_pips_settings_to_uv(tmp_path):
     assert out_env["SSL_CERT_FILE"] == "/certs/ca.pem"
     lifted, _ = releases.install_command(Path("/venv/bin/python"), {**env, "PIP_CONSTRAINT": "/dev/null"})
     assert "--constraint" not in lifted and "/caps.txt" not in lifted, lifted
+    assert "--compile-bytecode" not in cmd
+    assert "--compile-bytecode" in releases.install_command(Path("/venv/bin/python"), env, compile=True)[0]
 
 
 def test_install_command_installs_into_the_named_venv(tmp_path):

@@ -29,8 +29,8 @@ checkout:
     part 1, last in part 2 (which starts with its longest run, the 8-rank benchmark);
   - python -m oneccl_bind_pt.bench at each of --ranks (part 1: 2 and 4; part 2: 8), allreduce,
     allgather, reduce_scatter, alltoall, broadcast, sendrecv, --sizes (4 KiB to 64 MiB), with
-    ccl, pg, oneccl and oneccl+w: at 2 ranks float32 and bfloat16, from 4 ranks float32
-    (--backends, --many-backends, --many-dtypes);
+    ccl, oneccl and oneccl+w, and pg at 2 ranks (float32 and bfloat16), single from 4 ranks
+    (float32) (--backends, --many-backends, --many-dtypes);
   - at 2 ranks, staged against single copy (--single-sizes, part 1): where reading peers
     directly wins on this CPU;
   - at 2 ranks, the helper sweep: bench of our transport alone (pg) with ONECCL_BIND_PT_HELPERS
@@ -105,8 +105,13 @@ HELPER_KNOBS = {"chunk": ("ONECCL_BIND_PT_SHM_CHUNK_BYTES", "c"), "kernels": ("O
 # with single copy against staging and the helper sweep; bench at 4 ranks.
 # Part 2, about 280 s: bench at 8 ranks; the helper sweep with AVX-512 kernels (compare with
 # part 1's 0 and 3 from the same host); DDP with bucket views and with a oneCCL worker.
+# From 4 ranks `single` (single copy at every size) takes `pg`'s place: at 4 ranks and 16 MiB run B
+# (single copy, reads split across the helpers) read allgather 1,927 us, all-to-all 1,507 and
+# broadcast 914 where run C (staged, the copies split across them) read 3,803, 3,235 and 1,697,
+# on two hosts of one image whose best oneCCL agreed within 2%: the column puts the two paths in
+# one run. `pg` is `ccl` less torch.distributed's Python layer, which 2 ranks measure.
 COMMON = dict(dtypes="float32,bfloat16", sizes="4K,64K,1M,16M,64M", seconds=0.02, rounds=2,
-              backends="ccl,pg,oneccl,oneccl+w", many_backends="", many_dtypes="float32",
+              backends="ccl,pg,oneccl,oneccl+w", many_backends="ccl,single,oneccl,oneccl+w", many_dtypes="float32",
               ddp_args=["--steps", "5"])
 PARTS = {
     "1": dict(COMMON, ranks="2,4", helpers="0,3,6", single_sizes="256K,1M,4M,16M,64M", ddp="2x8,4x4",
@@ -451,8 +456,10 @@ def report(args) -> int:
         points: dict[tuple, dict[str, float]] = {}
         for p in run["points"]:
             points.setdefault((p["op"], p["dtype"], p["bytes"]), {})[p["backend"]] = p["median_us"]
-        print(f"{run['world']} ranks ({f.name}): median us; best = the faster of oneccl and oneccl+w")
-        print(f"  {'op':<15}{'dtype':<10}{'bytes':>10}{'ccl':>11}{'oneccl':>11}{'oneccl+w':>11}{'ccl/best':>10}")
+        print(f"{run['world']} ranks ({f.name}): median us; best = the faster of oneccl and oneccl+w; "
+              "single (where run): single copy at every size")
+        print(f"  {'op':<15}{'dtype':<10}{'bytes':>10}{'ccl':>11}{'oneccl':>11}{'oneccl+w':>11}{'ccl/best':>10}"
+              f"{'single':>11}{'single/ccl':>11}")
         for (op, dtype, size), by in points.items():
             ours = by.get("ccl")
             best = min((by[c] for c in ("oneccl", "oneccl+w") if c in by), default=None)
@@ -461,7 +468,8 @@ def report(args) -> int:
             ratio = ours / best
             worst = max(worst, ratio)
             cells = "".join(f"{by[c]:>11,.1f}" if c in by else f"{'-':>11}" for c in ("ccl", "oneccl", "oneccl+w"))
-            print(f"  {op:<15}{dtype:<10}{size:>10}{cells}{ratio:>9.2f}{' *' if ratio > 1 else ''}")
+            single = f"{by['single']:>11,.1f}{by['single'] / ours:>11.2f}" if "single" in by else ""
+            print(f"  {op:<15}{dtype:<10}{size:>10}{cells}{ratio:>9.2f}{' *' if ratio > 1 else '  '}{single}")
     print(f"worst ccl/best: {worst:.2f} (* above 1)")
     ddp_file = args.dir / "ddp.json"
     if ddp_file.exists():

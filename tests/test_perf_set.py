@@ -88,7 +88,7 @@ def test_the_two_parts_split_the_set_and_narrow_the_runs_from_4_ranks(tmp_path):
     assert _option(cmd, "--dtypes") == "float32,bfloat16" and _option(cmd, "--backends") == "ccl,pg,oneccl,oneccl+w"
     for n, runs in ((4, one), (8, two)):
         cmd, _ = runs[f"bench {n} ranks"]
-        assert _option(cmd, "--dtypes") == "float32" and _option(cmd, "--backends") == "ccl,pg,oneccl,oneccl+w"
+        assert _option(cmd, "--dtypes") == "float32" and _option(cmd, "--backends") == "ccl,single,oneccl,oneccl+w"
     assert one["bench 2 ranks, 6 helpers"][1] == {"ONECCL_BIND_PT_HELPERS": "6"}
     assert two["bench 2 ranks, 3 helpers kernels=avx512"][1] == {"ONECCL_BIND_PT_HELPERS": "3",
                                                                  "ONECCL_BIND_PT_KERNELS": "avx512"}
@@ -122,13 +122,16 @@ def test_report_compares_ccl_with_the_faster_oneccl_column(tmp_path):
     run = {"world": 4, "points": [point("allreduce", 4096, "ccl", 10.0), point("allreduce", 4096, "oneccl", 20.0),
                                   point("allreduce", 4096, "oneccl+w", 40.0), point("allgather", 1 << 20, "ccl", 300.0),
                                   point("allgather", 1 << 20, "oneccl", 250.0),
-                                  point("allgather", 1 << 20, "oneccl+w", 200.0)]}
+                                  point("allgather", 1 << 20, "oneccl+w", 200.0),
+                                  point("allgather", 1 << 20, "single", 150.0)]}
     (tmp_path / "bench-4ranks.json").write_text(json.dumps(run))
     r = subprocess.run([sys.executable, SCRIPT, "report", tmp_path], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    rows = {line.split()[0]: line.split()[-1] for line in r.stdout.splitlines() if line.startswith("  all")}
-    assert rows == {"allreduce": "0.50", "allgather": "*"}, r.stdout
-    assert "1.50 *" in r.stdout and "worst ccl/best: 1.50" in r.stdout, r.stdout
+    rows = {line.split()[0]: line.split()[3:] for line in r.stdout.splitlines() if line.startswith("  all")}
+    # ccl, oneccl, oneccl+w, ccl/best (starred above 1), and where run, single and single/ccl
+    assert rows == {"allreduce": ["10.0", "20.0", "40.0", "0.50"],
+                    "allgather": ["300.0", "250.0", "200.0", "1.50", "*", "150.0", "0.50"]}, r.stdout
+    assert "worst ccl/best: 1.50" in r.stdout, r.stdout
     # And DDP's communication time, ccl against oneccl and gloo, per run and dtype.
     ddp = {"2x8-view1": {"results": {"float32": {"ccl": {"comm_ms": 30.0}, "oneccl": {"comm_ms": 60.0},
                                                  "gloo": {"comm_ms": 120.0}, "local": {}}}}}

@@ -458,7 +458,7 @@ def report(args) -> int:
             points.setdefault((p["op"], p["dtype"], p["bytes"]), {})[p["backend"]] = p["median_us"]
         print(f"{run['world']} ranks ({f.name}): median us; best = the faster of oneccl and oneccl+w; "
               "single (where run): single copy at every size")
-        print(f"  {'op':<15}{'dtype':<10}{'bytes':>10}{'ccl':>11}{'oneccl':>11}{'oneccl+w':>11}{'ccl/best':>10}"
+        print(f"  {'op':<15}{'dtype':<10}{'bytes':>10}{'ccl':>11}{'oneccl':>11}{'oneccl+w':>11}{'ccl/best':>9}  "
               f"{'single':>11}{'single/ccl':>11}")
         for (op, dtype, size), by in points.items():
             ours = by.get("ccl")

@@ -12,6 +12,7 @@ the default Python, .venv-torch<t>-py<p> otherwise.
 from __future__ import annotations
 
 import argparse
+import ast
 import glob
 import os
 import runpy
@@ -130,16 +131,21 @@ def selected_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 # pip's settings that decide where packages come from, as uv pip install's options
-# (install_command); a setting may name several values, space-separated.
-_PIP_TO_UV = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
-              "constraint": "--constraint"}
+# (install_command), and whether the setting may name several values (separated by spaces or lines).
+_PIP_TO_UV = {"index-url": ("--index-url", False), "extra-index-url": ("--extra-index-url", True),
+              "find-links": ("--find-links", True), "constraint": ("--constraint", True),
+              "trusted-host": ("--allow-insecure-host", True), "cert": ("--cert", False)}
+_PIP_TRUE = ("1", "true", "yes", "on", "y", "t")
 # pip's own precedence: its environment variables, then the [install] section, then [global].
 _PIP_SECTION_RANK = {":env:": 3, "install": 2, "global": 1}
 
 
 def _pip_settings(env: dict) -> dict[str, str]:
-    """pip's effective configuration ({name: value}) as `pip config list` shows it under `env`."""
+    """pip's effective configuration ({name: value}) as `pip config list` shows it under `env`.
+    Stops if pip cannot say: installing from elsewhere than pip would is worse than not at all."""
     proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"pip config list exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
     ranked: dict[str, tuple[int, str]] = {}
     for line in proc.stdout.splitlines():
         key, sep, value = line.partition("=")
@@ -148,7 +154,7 @@ def _pip_settings(env: dict) -> dict[str, str]:
             continue
         rank = _PIP_SECTION_RANK[section]
         if rank >= ranked.get(name, (0, ""))[0]:
-            ranked[name] = (rank, value.strip().strip("'\""))
+            ranked[name] = (rank, ast.literal_eval(value.strip()))  # printed as repr(): lines, backslashes
     return {name: value for name, (_, value) in ranked.items()}
 
 
@@ -159,8 +165,10 @@ def install_command(python: Path, env: dict | None = None, compile: bool = False
     where bytecode is not written at import, each import compiles torch's modules again).
 
     uv's `uv pip install` where this interpreter has uv (the pinned stack's release group), with
-    pip's configuration carried over (indexes, find-links, constraints, certificate) and pip's rule
-    for several indexes (the best version on any); else that environment's own pip. Measured on the
+    pip's configuration carried over (indexes, find-links, constraints, trusted hosts, certificate,
+    timeout) and pip's rule for several indexes (the best version on any); else that environment's
+    own pip. Run by hand, uv keeps what it unpacked in its cache (UV_CACHE_DIR, by default
+    ~/.cache/uv: a CUDA torch is about 7 GB; `uv cache clean` empties it). Measured on the
     2-core VM: a CUDA torch with its nvidia-* packages (6.8 GB installed) took pip 82 s into a fresh
     venv and uv 26 s, and uv under 1 s once its cache held it (UV_CACHE_DIR; the release pairs'
     tests give each pair one, so its build venv and its proof venv share their torch)."""
@@ -175,12 +183,16 @@ def install_command(python: Path, env: dict | None = None, compile: bool = False
     cmd = [uv, "pip", "install", "--quiet", "--python", str(python), "--index-strategy", "unsafe-best-match",
            *(["--compile-bytecode"] if compile else [])]
     settings = _pip_settings(env)
-    for name, option in _PIP_TO_UV.items():
-        cmd += [arg for value in settings.get(name, "").split() if value != "/dev/null" for arg in (option, value)]
-    if settings.get("no-index", "").lower() in ("1", "true", "yes", "on"):
+    for name, (option, several) in _PIP_TO_UV.items():
+        given = settings.get(name, "").strip()
+        for value in given.split() if several else [given] if given else []:
+            if value != "/dev/null":  # pip_env's lift of a machine's cap: no constraint
+                cmd += [option, value]
+    if settings.get("no-index", "").lower() in _PIP_TRUE:
         cmd.append("--no-index")
-    if settings.get("cert") and "SSL_CERT_FILE" not in env:
-        env["SSL_CERT_FILE"] = settings["cert"]
+    timeout = settings.get("timeout") or settings.get("default-timeout")
+    if timeout and "UV_HTTP_TIMEOUT" not in env:
+        env["UV_HTTP_TIMEOUT"] = timeout
     return cmd, env
 
 

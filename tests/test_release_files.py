@@ -241,24 +241,30 @@ def test_recipe_renders_one_package_per_pair_with_its_pins():
 
 def test_install_command_carries_pips_settings_to_uv(tmp_path):
     """The release pairs' venvs get their torch through uv (releases.install_command): from where
-    pip would take it. pip's settings become uv's options, its environment over its files, and a
-    constraint of /dev/null (pip_env's lift of a machine's cap) is no constraint."""
+    pip would take it. pip's settings become uv's options, its [install] section over [global] (and
+    its environment over both), values one per line as pip.conf allows, and a constraint of
+    /dev/null (pip_env's lift of a machine's cap) is no constraint."""
     import_or_require("uv")
     conf = tmp_path / "pip.conf"
-    conf.write_text("[global]\nindex-url = https://mirror.example/simple\n"
-                    "extra-index-url = file:///a/simple file:///b/simple\nfind-links = /wheels\n"
-                    "cert = /certs/ca.pem\n[install]\nconstraint = /caps.txt\n")
+    # [install] as well as [global]: a machine's own [install] settings would outrank a test's [global].
+    conf.write_text("[global]\nindex-url = https://wrong.example/simple\ncert = /certs/wrong.pem\n"
+                    "[install]\nindex-url = https://mirror.example/simple\n"
+                    "extra-index-url =\n    file:///a/simple\n    file:///b/simple\nfind-links = /wheels\n"
+                    "trusted-host = mirror.example\ncert = /certs/ca.pem\nconstraint = /caps.txt\ntimeout = 77\n"
+                    "no-index = false\n")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PIP_CONFIG_FILE": str(conf)}
     cmd, out_env = releases.install_command(Path("/venv/bin/python"), env)
     assert cmd[1:5] == ["pip", "install", "--quiet", "--python"] and cmd[5] == "/venv/bin/python", cmd
     pairs = list(zip(cmd[6::2], cmd[7::2]))
-    for expected in [("--index-strategy", "unsafe-best-match"), ("--index-url", "https://mirror.example/simple"),
+    assert pairs == [("--index-strategy", "unsafe-best-match"), ("--index-url", "https://mirror.example/simple"),
                      ("--extra-index-url", "file:///a/simple"), ("--extra-index-url", "file:///b/simple"),
-                     ("--find-links", "/wheels"), ("--constraint", "/caps.txt")]:
-        assert expected in pairs, cmd
-    assert out_env["SSL_CERT_FILE"] == "/certs/ca.pem"
+                     ("--find-links", "/wheels"), ("--constraint", "/caps.txt"),
+                     ("--allow-insecure-host", "mirror.example"), ("--cert", "/certs/ca.pem")], cmd
+    assert out_env["UV_HTTP_TIMEOUT"] == "77"
     lifted, _ = releases.install_command(Path("/venv/bin/python"), {**env, "PIP_CONSTRAINT": "/dev/null"})
     assert "--constraint" not in lifted and "/caps.txt" not in lifted, lifted
+    offline, _ = releases.install_command(Path("/venv/bin/python"), {**env, "PIP_NO_INDEX": "1"})
+    assert "--no-index" in offline and "--no-index" not in cmd, offline
     assert "--compile-bytecode" not in cmd
     assert "--compile-bytecode" in releases.install_command(Path("/venv/bin/python"), env, compile=True)[0]
 

@@ -121,12 +121,15 @@ def test_a_child_forked_with_ops_in_flight_exits_and_the_group_works_on(transpor
     """A child forked while the group's threads were busy (a training script's os.fork, a server
     forking workers) finds the parent's group refusing ops and waits with a DistBackendError that
     says why, leaves through the interpreter's normal exit within seconds, and the parent's group
-    works on. Before, the child hung for good at that exit on a lock held at the fork."""
-    outs = _two_processes("tests/scripts/fork_in_flight.py", env=TRANSPORTS[transport], timeout=300)
+    works on. Before, the child hung for good at that exit on a lock held at the fork. Children
+    forked with nothing in flight make a group of their own, on the same transport."""
+    env = {**TRANSPORTS[transport], "CHILD_PORT": str(free_port())}
+    outs = _two_processes("tests/scripts/fork_in_flight.py", env=env, timeout=300)
     for rank, (out, rc) in enumerate(outs):
         assert rc == 0, out
         assert f"rank {rank}: transport {transport}\n" in out, out
         assert f"rank {rank}: ops in flight at the fork: True; the child exited 0 in" in out, out
+        assert f"child of rank {rank}: a group of its own on transport {transport}, allreduce right: True" in out, out
         assert f"rank {rank}: idle fork: the child exited 0 in" in out, out
         assert f"rank {rank}: the group worked on after the forks" in out, out
 

@@ -1,7 +1,9 @@
 """Each rank in turn forks while its ops wait for the other rank (the progress thread and a
 callback lane busy); the child finds the parent's group refusing it, destroys it, and leaves
 through the interpreter's normal exit (atexit, finalizers). Then both fork with nothing in
-flight. Prints how each child ended; then the parent's group must still work.
+flight, and those two children make a ccl group of their own (a parent that used oneCCL or shared
+memory forking workers that communicate). Prints how each child ended; then the parent's group
+must still work.
 
 gloo is no reference here: its forked children hang for good at that exit (~ProcessGroupGloo
 waits for worker threads the child does not have)."""
@@ -89,7 +91,18 @@ pid = os.fork()
 if pid == 0:
     dist.destroy_process_group()
     gc.collect()
-    sys.exit(0)
+    # Small tensors only: libgomp, which the parent used for `big`, cannot run a parallel
+    # region in a forked child (torch's own limitation, whatever the backend).
+    own = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["CHILD_PORT"]), world, rank == 0,
+                        timeout=datetime.timedelta(seconds=CHILD_LIMIT))
+    dist.init_process_group("ccl", store=own, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    mine = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))._path("allreduce", 4)
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    right = torch.equal(t, torch.full((1000,), float(sum(range(1, world + 1)))))
+    print(f"child of rank {rank}: a group of its own on transport {mine}, allreduce right: {right}", flush=True)
+    dist.destroy_process_group()
+    sys.exit(0 if right else 4)
 print(f"rank {rank}: idle fork: the child {reap(pid)}", flush=True)
 
 dist.all_reduce(big)

@@ -142,16 +142,19 @@ def _exchange(store, rank: int, size: int, name: str, mine: str, timeout: timede
                 "have exited.", announce=f"it waited {seconds} s for the other ranks; missing ranks: {missing}")
 
 
-def _local_layout(store, rank: int, size: int, env: MutableMapping[str, str], timeout: timedelta) -> tuple[int, int]:
-    """This rank's index among the ranks on its host, and how many there are."""
+def _local_layout(store, rank: int, size: int, env: MutableMapping[str, str], timeout: timedelta,
+                  shm: str) -> tuple[int, int, list[str] | None]:
+    """This rank's index among the ranks on its host, how many there are, and every rank's `shm`
+    ("1": our shared memory on) where the ranks had to be asked (else None)."""
     for rank_var, size_var in (("LOCAL_RANK", "LOCAL_WORLD_SIZE"), ("MPI_LOCALRANKID", "MPI_LOCALNRANKS")):
         if rank_var in env and size_var in env and int(env.get("WORLD_SIZE", size)) == size:
-            return int(env[rank_var]), int(env[size_var])
-    # No launcher told us (mp.spawn, hand-written scripts): compare host names.
+            return int(env[rank_var]), int(env[size_var]), None
+    # No launcher told us (mp.spawn, hand-written scripts): compare host names, and say whether
+    # shared memory is on in the same round (a host name has no spaces).
     host = socket.gethostname()
-    hosts = _exchange(store, rank, size, "host", host, timeout)
-    mine = [r for r, h in enumerate(hosts) if h == host]
-    return mine.index(rank), len(mine)
+    answers = [a.split(" ", 1) for a in _exchange(store, rank, size, "host", f"{shm} {host}", timeout)]
+    mine = [r for r, (_, h) in enumerate(answers) if h == host]
+    return mine.index(rank), len(mine), [flag for flag, _ in answers]
 
 
 def _ipv4_of(interface: str) -> str | None:
@@ -288,17 +291,19 @@ def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str
     """Set oneCCL's variables for the first process group (see the module docstring). `timeout`:
     the group's (by default the store's), for the exchanges with the other ranks."""
     timeout = timeout or store.timeout
-    local_rank, local_size = _local_layout(store, rank, size, env, timeout)
+    ours = env.get("ONECCL_BIND_PT_SHM", "1").lower() not in ("0", "off", "false")
+    local_rank, local_size, flags = _local_layout(store, rank, size, env, timeout, "1" if ours else "0")
     _set_default(env, "CCL_PROCESS_LAUNCHER", "none")
     _set_default(env, "CCL_ATL_TRANSPORT", "ofi")
     _set_default(env, "CCL_LOCAL_RANK", str(local_rank))
     _set_default(env, "CCL_LOCAL_SIZE", str(local_size))
-    ours = env.get("ONECCL_BIND_PT_SHM", "1").lower() not in ("0", "off", "false")
     if local_size == size:
         # Our transport carries a group only where every rank has it on (shm.cpp); oneCCL's
         # shared memory must then be on for all of them alike, or their communicator cannot
         # connect (rendezvous.cpp refuses the group). Across hosts it is on everywhere anyway.
-        ours = "0" not in _exchange(store, rank, size, "shm", "1" if ours else "0", timeout)
+        if flags is None:
+            flags = _exchange(store, rank, size, "shm", "1" if ours else "0", timeout)
+        ours = "0" not in flags
     _set_default(env, "CCL_ATL_SHM", "0" if ours and local_size == size else "1")
     _set_default(env, "FI_SHM_DISABLE_CMA", "1")
     _apply_worker_defaults(env, oneccl_carries=not (ours and local_size == size))

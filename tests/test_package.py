@@ -7,6 +7,7 @@ import importlib.util
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -165,6 +166,20 @@ def test_shared_memory_off_on_another_rank_gives_oneccl_its_own_here():
     _env.apply_ccl_defaults(store, 0, 2, env)
     assert env["CCL_ATL_SHM"] == "1", env
     assert _env.workers_why.startswith("auto: ") and "shared memory carries" not in _env.workers_why, _env.workers_why
+
+
+def test_without_a_launcher_one_round_says_hosts_and_shared_memory():
+    # mp.spawn or a hand-written script: no LOCAL_RANK. The host names and the shared-memory
+    # switch travel in one round; no second ("shm") round is waited for.
+    host = socket.gethostname()
+    for theirs, local_size, atl_shm in ((f"0 {host}", "2", "1"), (f"1 {host}", "2", "0"), ("1 elsewhere", "1", "1")):
+        store = dist.HashStore()
+        store.set("oneccl/defaults/host/1", theirs)
+        env = {"WORLD_SIZE": "2"}
+        _env.apply_ccl_defaults(store, 0, 2, env, timeout=datetime.timedelta(seconds=5))
+        assert store.get("oneccl/defaults/host/0").decode() == f"1 {host}"
+        assert not store.check(["oneccl/defaults/shm/0"]), theirs
+        assert (env["CCL_LOCAL_RANK"], env["CCL_LOCAL_SIZE"], env["CCL_ATL_SHM"]) == ("0", local_size, atl_shm), theirs
 
 
 def test_first_group_exchange_is_bounded_and_hears_of_failures():

@@ -79,6 +79,7 @@ _launchers.py.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import socket
 import struct
@@ -97,10 +98,32 @@ WORKER_VARS = ("CCL_WORKER_COUNT", "CCL_WORKER_AFFINITY", "CCL_WORKER_OFFLOAD")
 MAX_WORKERS = 2
 MAX_WORKERS_ASKED = 64
 
+# What the package set, as JSON {name: value}, in this process's environment and so in its
+# children's: a process started from one that made a ccl group (a notebook that then runs
+# torchrun or mp.spawn) inherits CCL_LOCAL_RANK, CCL_KVS_IFACE, ... that were right for that
+# group, not its own. A variable still holding the value recorded here is the package's, and is
+# set afresh; one the user changed since is the user's.
+MARK = "ONECCL_BIND_PT_SET"
+
+
+def _inherited(env: MutableMapping[str, str]) -> dict[str, str]:
+    try:
+        marked = json.loads(env.get(MARK, "{}"))
+    except ValueError:
+        return {}
+    return marked if isinstance(marked, dict) else {}
+
+
+def set_by_user(env: MutableMapping[str, str], name: str) -> bool:
+    """Whether `name` is set, by the user rather than by this package (here or in a parent)."""
+    return name in env and _inherited(env).get(name) != env[name]
+
+
 def _set_default(env: MutableMapping[str, str], name: str, value: str) -> None:
-    if name not in env:
+    if not set_by_user(env, name):
         env[name] = value
         applied[name] = value
+        env[MARK] = json.dumps({**_inherited(env), name: value}, sort_keys=True)
 
 
 # The backend's failure key for a group's first creation (rendezvous.cpp): set when a rank
@@ -142,6 +165,27 @@ def _exchange(store, rank: int, size: int, name: str, mine: str, timeout: timede
                 "have exited.", announce=f"it waited {seconds} s for the other ranks; missing ranks: {missing}")
 
 
+def host_identity() -> str:
+    """What tells hosts apart, as the backend's shared memory reads it (src/shm.cpp): the boot,
+    the PID and network namespaces, and the host name. A name alone is not enough: cloned VMs
+    left as `localhost`, containers started with one --hostname, network-namespace hosts."""
+    def first_line(path):
+        try:
+            with open(path) as f:
+                return f.readline().strip()
+        except OSError:
+            return ""
+
+    def link(path):
+        try:
+            return os.readlink(path)
+        except OSError:
+            return ""
+
+    return "|".join((first_line("/proc/sys/kernel/random/boot_id"), link("/proc/self/ns/pid"),
+                     link("/proc/self/ns/net"), socket.gethostname()))
+
+
 def _local_layout(store, rank: int, size: int, env: MutableMapping[str, str], timeout: timedelta,
                   shm: str) -> tuple[int, int, list[str] | None]:
     """This rank's index among the ranks on its host, how many there are, and every rank's `shm`
@@ -149,9 +193,9 @@ def _local_layout(store, rank: int, size: int, env: MutableMapping[str, str], ti
     for rank_var, size_var in (("LOCAL_RANK", "LOCAL_WORLD_SIZE"), ("MPI_LOCALRANKID", "MPI_LOCALNRANKS")):
         if rank_var in env and size_var in env and int(env.get("WORLD_SIZE", size)) == size:
             return int(env[rank_var]), int(env[size_var]), None
-    # No launcher told us (mp.spawn, hand-written scripts): compare host names, and say whether
-    # shared memory is on in the same round (a host name has no spaces).
-    host = socket.gethostname()
+    # No launcher told us (mp.spawn, hand-written scripts): compare hosts, and say whether
+    # shared memory is on in the same round.
+    host = host_identity()
     answers = [a.split(" ", 1) for a in _exchange(store, rank, size, "host", f"{shm} {host}", timeout)]
     mine = [r for r, (_, h) in enumerate(answers) if h == host]
     return mine.index(rank), len(mine), [flag for flag, _ in answers]
@@ -262,7 +306,7 @@ def worker_plan(env: MutableMapping[str, str], *, local_rank: int, local_size: i
 def _apply_worker_defaults(env: MutableMapping[str, str], oneccl_carries: bool) -> None:
     global workers_why
     _workers_asked(env)  # a bad value fails the group whoever manages the workers
-    if any(v in env for v in WORKER_VARS):
+    if any(set_by_user(env, v) for v in WORKER_VARS):
         workers_why = "CCL_WORKER_* set by you"
         return
     import torch
@@ -291,6 +335,11 @@ def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str
     """Set oneCCL's variables for the first process group (see the module docstring). `timeout`:
     the group's (by default the store's), for the exchanges with the other ranks."""
     timeout = timeout or store.timeout
+    # Left by a parent that made a ccl group: every value still as it set it goes, and is set
+    # afresh below for this process's group (or not at all, as CCL_WORKER_COUNT may not be).
+    for name in [n for n in _inherited(env) if n in env and not set_by_user(env, n)]:
+        del env[name]
+    env.pop(MARK, None)
     ours = env.get("ONECCL_BIND_PT_SHM", "1").lower() not in ("0", "off", "false")
     local_rank, local_size, flags = _local_layout(store, rank, size, env, timeout, "1" if ours else "0")
     _set_default(env, "CCL_PROCESS_LAUNCHER", "none")

@@ -97,6 +97,26 @@ def _mpi(env, name, rank, size, local_rank, local_size, job_key):
     return Launch(name, values)
 
 
+def _launcher_daemon(names: tuple[str, ...]) -> int:
+    """The pid of this process's nearest ancestor named one of `names` (an MPI launcher's daemon on
+    this host, which every local rank shares), else of its parent. A wrapper between the daemon
+    and Python (a shell script, `uv run`, `conda run`, a container's entry) gives each rank a
+    parent of its own, and ranks that keyed their port on it would not meet."""
+    pid = os.getppid()
+    for _ in range(32):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            break
+        if stat[stat.index("(") + 1:stat.rindex(")")] in names:
+            return pid
+        pid = int(stat[stat.rindex(")") + 2:].split()[1])  # after the name: state, then ppid
+        if pid <= 1:
+            break
+    return os.getppid()
+
+
 def detect(env: MutableMapping[str, str] = os.environ) -> Launch:
     """The launcher of this process and the values it implies (nothing is set here)."""
     if "TORCHELASTIC_RUN_ID" in env:
@@ -104,7 +124,7 @@ def detect(env: MutableMapping[str, str] = os.environ) -> Launch:
     if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
         # A job id every host shares; failing that, the local daemon (same port on one host only).
         source = next((v for v in ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE") if env.get(v)), None)
-        key = (env[source], source) if source else (f"ompi-{os.getppid()}", "launcher process")
+        key = (env[source], source) if source else (f"ompi-{_launcher_daemon(('orted', 'prted'))}", "launcher process")
         return _mpi(env, "openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", key)
     if "PMI_RANK" in env and "PMI_SIZE" in env and "MPI_LOCALRANKID" in env and "MPI_LOCALNRANKS" in env:
@@ -113,7 +133,7 @@ def detect(env: MutableMapping[str, str] = os.environ) -> Launch:
                         (env["I_MPI_HYDRA_UUID"], "I_MPI_HYDRA_UUID"))
         # MPICH's hydra names no job: its proxy process is the same for the ranks of one host.
         return _mpi(env, "mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
-                    (f"mpich-{os.getppid()}", "launcher process"))
+                    (f"mpich-{_launcher_daemon(('hydra_pmi_proxy',))}", "launcher process"))
     step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
     if "SLURM_PROCID" in env and step is not None:
         size = env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]

@@ -210,7 +210,9 @@ def main(argv=None) -> int:
                         f"of {fabric} and may find no provider: remove {os.path.dirname(shadow)} from "
                         "LD_LIBRARY_PATH for this job")
     if ours and not on_path:
-        problems.append(f"mpirun is not on PATH: source {oneccl_bind_pt.cwd}/env/setvars.sh")
+        # Not a problem for torchrun, mp.spawn or srun; only a launch with mpirun needs it.
+        print(f"                 note: mpirun is not on PATH (needed only to launch with mpirun): "
+              f"source {oneccl_bind_pt.cwd}/env/setvars.sh")
 
     mapped = ", ".join(f"{k}={v} (from {src})" for k, (v, src) in _launchers.mapped.items())
     print(f"launcher         {oneccl_bind_pt.launcher}" + (f": mapped {mapped}" if mapped else ""))

@@ -66,9 +66,15 @@ def test_openmpi_runs_the_ddp_example(world):
     checksums(out, world, ddp_reference(world))
 
 
-def test_mpich_runs_the_ddp_example():
+@pytest.mark.parametrize("wrapped", [False, True], ids=["direct", "shell-wrapper"])
+def test_mpich_runs_the_ddp_example(wrapped):
+    # Wrapped: each rank's Python is the child of a shell of its own (a job script without exec,
+    # `uv run`, `conda run`), not of hydra's proxy, and the ranks must still agree on a port.
     needs("mpich")
-    rc, out, _ = launch(["mpiexec.mpich", "-n", 2, sys.executable, "examples/ddp.py"], clean_env())
+    cmd = [sys.executable, "examples/ddp.py"]
+    if wrapped:
+        cmd = ["sh", "-c", f'"{sys.executable}" examples/ddp.py; exit $?']
+    rc, out, _ = launch(["mpiexec.mpich", "-n", 2, *cmd], clean_env())
     assert rc == 0, out
     checksums(out, 2, ddp_reference(2))
 

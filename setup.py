@@ -231,7 +231,7 @@ class BuildExt(build_ext):
 WRAPPED = [
     "pthread_create", "pthread_join", "pthread_once", "pthread_barrier_init", "pthread_barrier_wait",
     "pthread_setaffinity_np", "pthread_getaffinity_np", "pthread_attr_setaffinity_np", "__pthread_key_create",
-    "pthread_mutex_trylock", "pthread_setname_np", "pthread_sigmask",
+    "pthread_mutex_trylock", "pthread_setname_np", "pthread_sigmask", "pthread_getcpuclockid",
     "dlopen", "dlsym", "dlclose", "dlerror", "dladdr", "dlinfo", "log2", "fstat", "pthread_cond_clockwait",
     "__libc_single_threaded", "_ZNSt18condition_variable4waitERSt11unique_lockISt5mutexE",
 ]

@@ -20,8 +20,41 @@ constexpr std::chrono::seconds kIdleExit{10};
 // (allocated on first use), not behind the job that issued them.
 thread_local bool tl_in_job = false;
 thread_local Callbacks::Lane tl_child_lane = 0;
+thread_local std::atomic<int>* tl_in_wait = nullptr; // a runner's Runner::in_wait
+
+// A job using at least this share of its thread's time since the last look is computing, not
+// blocked. Blocked waits use none (a condition variable) or little (Work::wait's backoff is
+// excluded anyway); a computing thread on a crowded host still gets well above this.
+constexpr double kComputing = 0.1;
+// Over at least this long: a computing thread may wait for the GIL or for a core a while (a
+// loaded host), and a job blocked on its lane (rare) loses this much once.
+constexpr std::chrono::milliseconds kJudgeOver{200};
+
+std::chrono::nanoseconds cpu_time(clockid_t clock) {
+  timespec ts{};
+  if (clock_gettime(clock, &ts) != 0) {
+    return std::chrono::nanoseconds(0);
+  }
+  return std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec);
+}
 
 } // namespace
+
+bool Callbacks::in_job() {
+  return tl_in_job;
+}
+
+Callbacks::InWait::InWait() {
+  if (tl_in_wait) {
+    tl_in_wait->fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+Callbacks::InWait::~InWait() {
+  if (tl_in_wait) {
+    tl_in_wait->fetch_sub(1, std::memory_order_relaxed);
+  }
+}
 
 namespace {
 std::atomic<Callbacks*> g_callbacks{nullptr};
@@ -128,11 +161,29 @@ bool Callbacks::rescue_stuck_locked() {
     if (state.owner == 0 || state.jobs.empty()) {
       continue;
     }
-    if (now - state.job_started > kStuckAfter) {
-      state.owner = 0; // the stuck runner finishes its job, then lets go
-      ready_.push_back(lane);
-    } else {
+    if (now - state.job_started <= kStuckAfter) {
       watching = true;
+      continue;
+    }
+    // Long, but not blocked on its lane: inside Work::wait(), or computing since the last look.
+    bool busy = state.runner && state.runner->in_wait.load(std::memory_order_relaxed) > 0;
+    if (!busy && state.runner && state.runner->has_clock) {
+      const auto since = now - state.looked;
+      if (since < kJudgeOver) {
+        watching = true; // too soon to tell
+        continue;
+      }
+      const auto cpu = cpu_time(state.runner->cpu_clock);
+      busy = cpu - state.cpu_looked >= std::chrono::duration_cast<std::chrono::nanoseconds>(since * kComputing);
+      state.looked = now;
+      state.cpu_looked = cpu;
+    }
+    if (busy) {
+      watching = true;
+    } else {
+      state.owner = 0; // the stuck runner finishes its job, then lets go
+      state.runner = nullptr;
+      ready_.push_back(lane);
     }
   }
   return watching;
@@ -140,6 +191,9 @@ bool Callbacks::rescue_stuck_locked() {
 
 void Callbacks::runner_loop(uint64_t id) {
   pthread_setname_np(pthread_self(), "ccl-callbacks");
+  Runner me;
+  me.has_clock = pthread_getcpuclockid(pthread_self(), &me.cpu_clock) == 0;
+  tl_in_wait = &me.in_wait;
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     while (ready_.empty()) {
@@ -169,10 +223,12 @@ void Callbacks::runner_loop(uint64_t id) {
       continue; // taken or drained meanwhile
     }
     it->second.owner = id;
+    it->second.runner = &me;
     while (it != lanes_.end() && it->second.owner == id && !it->second.jobs.empty()) {
       auto job = std::move(it->second.jobs.front());
       it->second.jobs.pop_front();
-      it->second.job_started = Clock::now();
+      it->second.job_started = it->second.looked = Clock::now();
+      it->second.cpu_looked = me.has_clock ? cpu_time(me.cpu_clock) : std::chrono::nanoseconds(0);
       lock.unlock();
       tl_in_job = true;
       tl_child_lane = 0;
@@ -188,6 +244,7 @@ void Callbacks::runner_loop(uint64_t id) {
     }
     if (it != lanes_.end() && it->second.owner == id) {
       it->second.owner = 0;
+      it->second.runner = nullptr;
       if (lane != 0) {
         lanes_.erase(it);
       }

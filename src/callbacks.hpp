@@ -6,15 +6,22 @@
 // wait would block the only thread that could finish the op. So completions
 // are jobs, run by a small pool of threads, in lanes:
 //  - lane 0 holds the completions of ops issued by ordinary threads; its jobs
-//    run one at a time in completion order, so callbacks that issue
+//    run one at a time in completion order (for collectives with Futures,
+//    issue order per group: Progress::sweep), so callbacks that issue
 //    collectives issue them in the same order on every rank;
 //  - an op issued from inside a callback gets the lane of that callback's
 //    job: a callback that waits on it does not block its completion;
-//  - a job that has run longer than kStuckAfter while its lane has more work
-//    (a callback waiting on a lane-0 future that is queued behind it) hands
-//    the lane to another thread. Order is kept except across that one job.
+//  - a job that has run longer than kStuckAfter while its lane has more work,
+//    and is blocked (a callback waiting on a lane-0 future that is queued
+//    behind it), hands the lane to another thread. Order is kept except
+//    across that one job. A job that computes (on a CPU a tenth of the last
+//    200 ms or more) or waits in Work::wait() (which moves its op itself) is
+//    not blocked by its lane and keeps it: handing the lane on would let later
+//    callbacks issue their collectives before this one's, in an order that
+//    differs between ranks.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -23,6 +30,8 @@
 #include <map>
 #include <mutex>
 #include <thread>
+
+#include <time.h>
 
 namespace oneccl_bind_pt {
 
@@ -41,12 +50,33 @@ class Callbacks {
   void post(Lane lane, std::function<void()> job);
   // Waits (bounded) for queued jobs to finish, then lets idle threads exit.
   void shutdown();
+  // Whether the calling thread runs a completion job (a Future's callbacks).
+  static bool in_job();
+  // Marks the calling thread, for its lifetime, as inside Work::wait(): if it runs a
+  // job, that job is not blocked on its lane.
+  class InWait {
+   public:
+    InWait();
+    ~InWait();
+    InWait(const InWait&) = delete;
+    InWait& operator=(const InWait&) = delete;
+  };
 
  private:
+  // What another thread may read of a runner (under mutex_, while it owns a lane).
+  struct Runner {
+    clockid_t cpu_clock{}; // the runner thread's CPU time
+    bool has_clock = false;
+    std::atomic<int> in_wait{0};
+  };
   struct LaneState {
     std::deque<std::function<void()>> jobs;
     uint64_t owner = 0; // runner serving the lane, 0 when none
+    const Runner* runner = nullptr; // the owner's, while owner != 0
     std::chrono::steady_clock::time_point job_started;
+    // The last look at a long job: when, and the runner's CPU time then.
+    std::chrono::steady_clock::time_point looked;
+    std::chrono::nanoseconds cpu_looked{0};
   };
 
   Callbacks() = default;

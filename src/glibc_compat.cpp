@@ -59,6 +59,8 @@ OLD_VERSION(pthread_setname_np, "GLIBC_2.12")
 FORWARD(int, pthread_setname_np, (pthread_t t, const char* name), (t, name))
 OLD_VERSION(pthread_sigmask, "GLIBC_2.2.5")
 FORWARD(int, pthread_sigmask, (int how, const sigset_t* set, sigset_t* old), (how, set, old))
+OLD_VERSION(pthread_getcpuclockid, "GLIBC_2.2.5")
+FORWARD(int, pthread_getcpuclockid, (pthread_t t, clockid_t* c), (t, c))
 // Not in the headers: pthread_key_create's alias, which libstdc++'s headers call.
 extern "C" int __pthread_key_create(pthread_key_t*, void (*)(void*));
 OLD_VERSION(__pthread_key_create, "GLIBC_2.2.5")

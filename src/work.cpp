@@ -1,5 +1,7 @@
 #include "work.hpp"
 
+#include <Python.h>
+
 #include <algorithm>
 
 #include "errors.hpp"
@@ -212,6 +214,9 @@ bool WorkCCL::poll_locked(Clock::time_point now) {
 // done_ would be waited on for good.
 void WorkCCL::complete() {
   if (broke_group_) {
+    // Without the GIL (is_completed() holds it when it completes ops): the roll call waits up
+    // to 0.5 s for the store, and a Python abort hook needs the GIL to run at all.
+    PyThreadState* saved = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
     try {
       if (!timed_out_.empty()) {
         // Which peers did not time out with us (the group's store; outside Progress's lock,
@@ -225,6 +230,9 @@ void WorkCCL::complete() {
       comm_->run_abort_hooks();
     } catch (...) {
       // (No thread for a hook, a store that cannot answer): the op's own error stands.
+    }
+    if (saved) {
+      PyEval_RestoreThread(saved);
     }
   }
   std::exception_ptr error = error_;
@@ -268,13 +276,41 @@ void WorkCCL::complete() {
   if (future) {
     // Created before completion, so getFuture() counted it as watched.
     Progress::get().unwatch_future();
-    Callbacks::get().post(lane_, [future, error, value = future_value()]() mutable {
-      if (error) {
-        future->setError(error);
-      } else {
-        future->markCompleted(std::move(value));
+    auto self = c10::intrusive_ptr<WorkCCL>::reclaim_copy(this);
+    Callbacks::get().post(lane_, [self, future, error, value = future_value()]() mutable {
+      try {
+        if (error) {
+          future->setError(error);
+        } else {
+          future->markCompleted(std::move(value));
+        }
+      } catch (...) {
+        // Completed already by its holder (set_result()): nothing more to do to it.
       }
+      {
+        std::lock_guard<std::mutex> lock(self->future_mutex_);
+        self->future_settled_ = true;
+      }
+      self->future_cv_.notify_all();
     });
+  }
+}
+
+void WorkCCL::wait_for_future(Clock::time_point limit) {
+  if (Callbacks::in_job()) {
+    // Inside a callback: the Future's completion may be queued behind this very job.
+    return;
+  }
+  std::unique_lock<std::mutex> lock(future_mutex_);
+  if (!future_ || future_settled_) {
+    return;
+  }
+  const auto started = Clock::now();
+  if (!future_cv_.wait_until(lock, std::min(limit, started + timeout_), [&] { return future_settled_; })) {
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started);
+    C10_THROW_ERROR(DistBackendError,
+                    "ccl " + describe() + ": the op completed, but its Future's then() callbacks did not finish "
+                    "within " + std::to_string(waited.count()) + " ms of wait()");
   }
 }
 
@@ -308,6 +344,7 @@ bool WorkCCL::wait(std::chrono::milliseconds timeout) {
       explicit Waiting(Progress& p) : p(p) { p.waiters.fetch_add(1); }
       ~Waiting() { p.waiter_left(); }
     } waiting(progress);
+    const Callbacks::InWait in_wait; // a callback here is not blocked on its lane
     Backoff backoff;
     while (!done_.load(std::memory_order_acquire)) {
       const bool moved = progress.sweep();
@@ -324,6 +361,7 @@ bool WorkCCL::wait(std::chrono::milliseconds timeout) {
       sleep_within(backoff.pause(moved), limit);
     }
   }
+  wait_for_future(limit);
   if (auto e = exception()) {
     std::rethrow_exception(e);
   }
@@ -344,6 +382,24 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkCCL::getFuture() {
       created_pending = !created_done;
     }
     future = future_;
+    has_future_.store(true, std::memory_order_release);
+  }
+  const auto settled = [&] {
+    {
+      std::lock_guard<std::mutex> lock(future_mutex_);
+      future_settled_ = true;
+    }
+    future_cv_.notify_all();
+  };
+  if (!done_.load(std::memory_order_acquire) && comm_->inherited()) {
+    // The parent's op in a forked child: nothing here moves it, so its Future fails now
+    // rather than never completing.
+    if (!future->completed()) {
+      future->setError(backend_error("ccl " + describe() + ": its Future cannot complete here: its process group " +
+                                     comm_->broken_reason()));
+    }
+    settled();
+    return future;
   }
   if (created_done) {
     if (auto e = exception()) {
@@ -351,6 +407,7 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkCCL::getFuture() {
     } else {
       future->markCompleted(future_value());
     }
+    settled();
   } else if (created_pending) {
     Progress::get().watch_future();
   }
@@ -394,7 +451,23 @@ bool Progress::sweep() {
       return false;
     }
     const auto now = Clock::now();
+    // Collectives whose Futures were handed out complete in issue order per group and lane:
+    // their callbacks, which may issue collectives, must run in the same order on every
+    // rank, and oneCCL may report a later op done before an earlier one (the shared-memory
+    // transport's FIFO cannot). One waits here while an earlier one of its group and lane is
+    // in flight (which moves on, or fails, first). Not send/recv: those may complete in any
+    // order, by design.
+    std::vector<std::pair<const Communicator*, Callbacks::Lane>> earlier;
     for (size_t i = 0; i < inflight_.size();) {
+      WorkCCL& w = *inflight_[i];
+      const auto type = w.op_.type;
+      const bool ordered = w.has_future_.load(std::memory_order_acquire) && type != c10d::OpType::SEND &&
+          type != c10d::OpType::RECV && type != c10d::OpType::RECVANYSOURCE;
+      const std::pair<const Communicator*, Callbacks::Lane> key{w.comm_.get(), w.lane_};
+      if (ordered && std::find(earlier.begin(), earlier.end(), key) != earlier.end()) {
+        ++i;
+        continue;
+      }
       if (inflight_[i]->poll_locked(now)) {
         if (inflight_[i]->expired_) {
           abandon(inflight_[i]);
@@ -402,6 +475,9 @@ bool Progress::sweep() {
         finished.push_back(std::move(inflight_[i]));
         inflight_.erase(inflight_.begin() + static_cast<std::ptrdiff_t>(i));
       } else {
+        if (ordered) {
+          earlier.push_back(key);
+        }
         // Asked of every Work (not short-circuited): each keeps what it last saw.
         if (inflight_[i]->pending && inflight_[i]->pending->moved()) {
           moved = true;

@@ -116,6 +116,8 @@ class WorkCCL : public c10d::Work {
   bool broke_group_ = false; // its failure broke the group: the abort hooks run before it completes
   std::string timed_out_;    // its timeout broke the group: the error, which complete() extends
   std::atomic<bool> done_{false};
+  // getFuture() was called (Progress's sweep reads it without the future's lock).
+  std::atomic<bool> has_future_{false};
   // The "ccl:<collective>" row while a profiler listens: started at issue,
   // ended at completion (maybe on another thread, hence async), like the
   // Work's own row that c10d::Work keeps for `title`.
@@ -124,6 +126,12 @@ class WorkCCL : public c10d::Work {
   const uint64_t key_;          // unique per Work: the completion hooks' key
   std::mutex future_mutex_;
   c10::intrusive_ptr<c10::ivalue::Future> future_; // made on first getFuture()
+  // Under future_mutex_: the Future is completed and its callbacks have run. wait() waits for
+  // it, as gloo's does (it completes the Future, running its callbacks, before the Work).
+  bool future_settled_ = false;
+  std::condition_variable future_cv_;
+  // wait()'s second half: the Future, if one was handed out (bounded by `limit`).
+  void wait_for_future(Clock::time_point limit);
 };
 
 // Process-wide: one lock around every oneCCL call, the list of in-flight

@@ -122,6 +122,78 @@ def test_callback_waits_on_the_future_of_an_earlier_issued_op():
     assert all(elapsed < 60 for _, elapsed in ccl), ccl
 
 
+def _wait_after_get_future(rank, world, backend_group):
+    """A Future taken before wait(): once wait() returns, the Future is done and its then()
+    callbacks have run, as gloo completes the Future (running them) before the Work."""
+    group = dist.new_group(backend="gloo") if backend_group == "gloo" else None
+    seen = []
+    for _ in range(3):
+        t = torch.full((4,), rank + 1.0)
+        work = dist.all_reduce(t, group=group, async_op=True)
+        fut = work.get_future()
+        ran = []
+
+        def slow(f, ran=ran):
+            time.sleep(0.05)  # the callback takes a while: wait() must not return before it ends
+            ran.append(f.value()[0].tolist())
+            return f.value()
+
+        fut.then(slow)
+        work.wait()
+        seen.append((fut.done(), fut.value()[0].tolist(), ran))
+    return seen
+
+
+def test_wait_returns_after_the_futures_callbacks_as_gloos():
+    ccl = run_ranks(_wait_after_get_future, 2, "ccl", pg_timeout=60)
+    gloo = run_ranks(_wait_after_get_future, 2, "gloo")
+    assert ccl == gloo == [[(True, [3.0] * 4, [[3.0] * 4])] * 3] * 2, (ccl, gloo)
+
+
+def _computing_callback(rank, world):
+    """Two ops complete together; the first one's callback computes for a while (on rank 0 only)
+    before it issues a collective, the second's issues one at once. Each rank must issue them in
+    the same order (first callback's, then second's), or the two collectives pair up wrongly."""
+    issued = []
+
+    def first(f):
+        if rank == 0:
+            end = time.perf_counter() + 0.5  # longer than the 200 ms over which the backend judges it
+            while time.perf_counter() < end:  # computing, on this thread: not blocked on its lane
+                pass
+        x = torch.full((1000,), rank + 1.0)
+        issued.append(("first", x, dist.all_reduce(x, async_op=True)))
+        return f.value()
+
+    def second(f):
+        y = torch.full((1000,), 100.0 * (rank + 1))
+        issued.append(("second", y, dist.all_reduce(y, async_op=True)))
+        return f.value()
+
+    if rank != 0:
+        await_announcement("chained")  # rank 0's ops are in flight when it chains the callbacks
+    a, b = torch.ones(8), torch.ones(8)
+    works = dist.all_reduce(a, async_op=True), dist.all_reduce(b, async_op=True)
+    # (On rank 1 both are done here, and then() runs each callback at once, in this order.)
+    fa = works[0].get_future().then(first)
+    fb = works[1].get_future().then(second)
+    if rank == 0:
+        announce("chained")
+    fa.wait()
+    fb.wait()
+    got = {}
+    for name, tensor, work in issued:
+        work.wait()
+        got[name] = sorted(set(tensor.tolist()))
+    return [name for name, _, _ in issued], got
+
+
+def test_a_computing_callback_keeps_the_order_of_collectives(transport):
+    for order, got in run_ranks(_computing_callback, 2, pg_timeout=60, env=TRANSPORTS[transport]):
+        assert order == ["first", "second"], order
+        assert got == {"first": [3.0], "second": [300.0]}, got
+
+
 def _callback_wait_is_bounded(rank, world):
     t = torch.ones(4)
     fut = dist.all_reduce(t, async_op=True).get_future()

@@ -46,7 +46,8 @@ def child_checks(inherited_work):
     """In the forked child: the parent's group refuses ops and waits (its peers and connections are
     the parent's), and destroying it there leaves the parent's alone."""
     for what, call in (("an allreduce", lambda: dist.all_reduce(torch.ones(4))),
-                       ("a wait for the parent's op", lambda: inherited_work.wait())):
+                       ("a wait for the parent's op", lambda: inherited_work.wait()),
+                       ("a wait on the parent's op's Future", lambda: inherited_work.get_future().wait())):
         try:
             call()
         except dist.DistBackendError as e:

@@ -21,6 +21,7 @@ constexpr std::chrono::seconds kIdleExit{10};
 thread_local bool tl_in_job = false;
 thread_local Callbacks::Lane tl_child_lane = 0;
 thread_local std::atomic<int>* tl_in_wait = nullptr; // a runner's Runner::in_wait
+thread_local std::shared_ptr<std::atomic<int>>* tl_job_ops = nullptr; // a runner's Runner::job_ops
 
 // A job using at least this share of its thread's time since the last look is computing, not
 // blocked. Blocked waits use none (a condition variable) or little (Work::wait's backoff is
@@ -29,6 +30,9 @@ constexpr double kComputing = 0.1;
 // Over at least this long: a computing thread may wait for the GIL or for a core a while (a
 // loaded host), and a job blocked on its lane (rare) loses this much once.
 constexpr std::chrono::milliseconds kJudgeOver{200};
+// A job kept past this with work queued behind it hands its lane on anyway (a callback spinning
+// on a Future that is queued behind it would otherwise hold it for good).
+constexpr std::chrono::seconds kKeepAtMost{30};
 
 std::chrono::nanoseconds cpu_time(clockid_t clock) {
   timespec ts{};
@@ -42,6 +46,14 @@ std::chrono::nanoseconds cpu_time(clockid_t clock) {
 
 bool Callbacks::in_job() {
   return tl_in_job;
+}
+
+std::shared_ptr<std::atomic<int>> Callbacks::count_op_in_job() {
+  if (!tl_in_job || !tl_job_ops || !*tl_job_ops) {
+    return nullptr;
+  }
+  (*tl_job_ops)->fetch_add(1, std::memory_order_relaxed);
+  return *tl_job_ops;
 }
 
 Callbacks::InWait::InWait() {
@@ -128,11 +140,14 @@ void Callbacks::post(Lane lane, std::function<void()> job) {
     ready_.clear();
     lock.unlock();
     for (auto& queued : jobs) {
+      const bool was_in_job = tl_in_job;
+      tl_in_job = true; // a wait() inside must not wait for a completion only this thread runs
       try {
         queued();
       } catch (...) {
         // As in runner_loop: a Future reports its callbacks' errors itself.
       }
+      tl_in_job = was_in_job;
     }
     lock.lock();
   }
@@ -165,9 +180,12 @@ bool Callbacks::rescue_stuck_locked() {
       watching = true;
       continue;
     }
-    // Long, but not blocked on its lane: inside Work::wait(), or computing since the last look.
-    bool busy = state.runner && state.runner->in_wait.load(std::memory_order_relaxed) > 0;
-    if (!busy && state.runner && state.runner->has_clock) {
+    // Long, but not blocked on its lane: inside Work::wait(), waiting on ops it issued, or
+    // computing since the last look.
+    bool busy = state.runner && now - state.job_started < kKeepAtMost &&
+        (state.runner->in_wait.load(std::memory_order_relaxed) > 0 ||
+         (state.runner->job_ops && state.runner->job_ops->load(std::memory_order_relaxed) > 0));
+    if (!busy && state.runner && state.runner->has_clock && now - state.job_started < kKeepAtMost) {
       const auto since = now - state.looked;
       if (since < kJudgeOver) {
         watching = true; // too soon to tell
@@ -194,6 +212,7 @@ void Callbacks::runner_loop(uint64_t id) {
   Runner me;
   me.has_clock = pthread_getcpuclockid(pthread_self(), &me.cpu_clock) == 0;
   tl_in_wait = &me.in_wait;
+  tl_job_ops = &me.job_ops;
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     while (ready_.empty()) {
@@ -229,6 +248,7 @@ void Callbacks::runner_loop(uint64_t id) {
       it->second.jobs.pop_front();
       it->second.job_started = it->second.looked = Clock::now();
       it->second.cpu_looked = me.has_clock ? cpu_time(me.cpu_clock) : std::chrono::nanoseconds(0);
+      me.job_ops = std::make_shared<std::atomic<int>>(0);
       lock.unlock();
       tl_in_job = true;
       tl_child_lane = 0;

@@ -16,9 +16,10 @@
 //    behind it), hands the lane to another thread. Order is kept except
 //    across that one job. A job that computes (on a CPU a tenth of the last
 //    200 ms or more) or waits in Work::wait() (which moves its op itself) is
-//    not blocked by its lane and keeps it: handing the lane on would let later
+//    not blocked by its lane and keeps it, as does one whose own ops are in
+//    flight (waiting on their Futures): handing the lane on would let later
 //    callbacks issue their collectives before this one's, in an order that
-//    differs between ranks.
+//    differs between ranks. After 30 s any job with work behind it hands on.
 #pragma once
 
 #include <atomic>
@@ -28,6 +29,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -52,6 +54,10 @@ class Callbacks {
   void shutdown();
   // Whether the calling thread runs a completion job (a Future's callbacks).
   static bool in_job();
+  // For an op issued from inside a job: a count of that job's ops in flight, which the
+  // caller holds and decrements once the op is complete (a job whose ops are in flight
+  // waits on them, not on its lane). Null outside a job.
+  static std::shared_ptr<std::atomic<int>> count_op_in_job();
   // Marks the calling thread, for its lifetime, as inside Work::wait(): if it runs a
   // job, that job is not blocked on its lane.
   class InWait {
@@ -68,6 +74,7 @@ class Callbacks {
     clockid_t cpu_clock{}; // the runner thread's CPU time
     bool has_clock = false;
     std::atomic<int> in_wait{0};
+    std::shared_ptr<std::atomic<int>> job_ops; // its current job's ops in flight (under mutex_)
   };
   struct LaneState {
     std::deque<std::function<void()>> jobs;

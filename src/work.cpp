@@ -136,12 +136,21 @@ WorkCCL::WorkCCL(
       deadline_(Clock::now() + timeout),
       end_backend_event_(profiled ? start_event(op.backend_title, inputs) : nullptr),
       lane_(Callbacks::get().lane_for_new_work()),
-      key_(next_key()) {}
+      key_(next_key()),
+      job_ops_(Callbacks::count_op_in_job()) {}
 
 // The Pending first: it may refer to the group's transport, which the
 // Communicator (destroyed with our other members) owns.
 WorkCCL::~WorkCCL() {
   pending.reset();
+  done_in_job();
+}
+
+void WorkCCL::done_in_job() {
+  if (job_ops_) {
+    job_ops_->fetch_sub(1, std::memory_order_relaxed);
+    job_ops_.reset();
+  }
 }
 
 std::string WorkCCL::describe() const {
@@ -294,11 +303,17 @@ void WorkCCL::complete() {
       self->future_cv_.notify_all();
     });
   }
+  if (in_completing_) {
+    Progress::get().posted(comm_.get(), lane_);
+    in_completing_ = false;
+  }
+  done_in_job();
 }
 
 void WorkCCL::wait_for_future(Clock::time_point limit) {
-  if (Callbacks::in_job()) {
-    // Inside a callback: the Future's completion may be queued behind this very job.
+  if (Callbacks::in_job() || comm_->inherited()) {
+    // Inside a callback: the Future's completion may be queued behind this very job. In a
+    // forked child: the parent's queued completions are not here to run.
     return;
   }
   std::unique_lock<std::mutex> lock(future_mutex_);
@@ -391,12 +406,18 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkCCL::getFuture() {
     }
     future_cv_.notify_all();
   };
-  if (!done_.load(std::memory_order_acquire) && comm_->inherited()) {
-    // The parent's op in a forked child: nothing here moves it, so its Future fails now
-    // rather than never completing.
+  if (comm_->inherited()) {
+    // The parent's op in a forked child: nothing here moves it, nor runs the completion the
+    // parent may have queued, so its Future settles now rather than never.
     if (!future->completed()) {
-      future->setError(backend_error("ccl " + describe() + ": its Future cannot complete here: its process group " +
-                                     comm_->broken_reason()));
+      if (!done_.load(std::memory_order_acquire)) {
+        future->setError(backend_error("ccl " + describe() + ": its Future cannot complete here: its process group " +
+                                       comm_->broken_reason()));
+      } else if (auto e = exception()) {
+        future->setError(e);
+      } else {
+        future->markCompleted(future_value());
+      }
     }
     settled();
     return future;
@@ -451,18 +472,18 @@ bool Progress::sweep() {
       return false;
     }
     const auto now = Clock::now();
-    // Collectives whose Futures were handed out complete in issue order per group and lane:
-    // their callbacks, which may issue collectives, must run in the same order on every
-    // rank, and oneCCL may report a later op done before an earlier one (the shared-memory
-    // transport's FIFO cannot). One waits here while an earlier one of its group and lane is
-    // in flight (which moves on, or fails, first). Not send/recv: those may complete in any
-    // order, by design.
-    std::vector<std::pair<const Communicator*, Callbacks::Lane>> earlier;
+    // Collectives complete in issue order per group and lane: their Futures' callbacks,
+    // which may issue collectives, must run in the same order on every rank, and oneCCL may
+    // report a later op done before an earlier one (the shared-memory transport's FIFO
+    // cannot). One waits here while an earlier one of its group and lane is in flight (which
+    // moves on, or fails, first) or still completing on another thread (complete() posts
+    // outside the lock). Not send/recv: those may complete in any order, by design.
+    std::vector<std::pair<const Communicator*, Callbacks::Lane>> earlier = completing_;
     for (size_t i = 0; i < inflight_.size();) {
       WorkCCL& w = *inflight_[i];
       const auto type = w.op_.type;
-      const bool ordered = w.has_future_.load(std::memory_order_acquire) && type != c10d::OpType::SEND &&
-          type != c10d::OpType::RECV && type != c10d::OpType::RECVANYSOURCE;
+      const bool ordered =
+          type != c10d::OpType::SEND && type != c10d::OpType::RECV && type != c10d::OpType::RECVANYSOURCE;
       const std::pair<const Communicator*, Callbacks::Lane> key{w.comm_.get(), w.lane_};
       if (ordered && std::find(earlier.begin(), earlier.end(), key) != earlier.end()) {
         ++i;
@@ -471,6 +492,11 @@ bool Progress::sweep() {
       if (inflight_[i]->poll_locked(now)) {
         if (inflight_[i]->expired_) {
           abandon(inflight_[i]);
+        }
+        if (ordered) {
+          completing_.push_back(key);
+          earlier.push_back(key);
+          w.in_completing_ = true;
         }
         finished.push_back(std::move(inflight_[i]));
         inflight_.erase(inflight_.begin() + static_cast<std::ptrdiff_t>(i));
@@ -490,6 +516,14 @@ bool Progress::sweep() {
     work->complete();
   }
   return moved || !finished.empty();
+}
+
+void Progress::posted(const Communicator* comm, Callbacks::Lane lane) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto at = std::find(completing_.begin(), completing_.end(), std::make_pair(comm, lane));
+  if (at != completing_.end()) {
+    completing_.erase(at);
+  }
 }
 
 bool Progress::drain(const Communicator& comm, Clock::time_point deadline) {

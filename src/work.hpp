@@ -124,6 +124,9 @@ class WorkCCL : public c10d::Work {
   std::function<void()> end_backend_event_;
   const Callbacks::Lane lane_; // where the Future's callbacks run
   const uint64_t key_;          // unique per Work: the completion hooks' key
+  bool in_completing_ = false; // its key is in Progress::completing_ until complete() posted
+  std::shared_ptr<std::atomic<int>> job_ops_; // issued inside a callback: that job's count of ops in flight
+  void done_in_job();
   std::mutex future_mutex_;
   c10::intrusive_ptr<c10::ivalue::Future> future_; // made on first getFuture()
   // Under future_mutex_: the Future is completed and its callbacks have run. wait() waits for
@@ -146,6 +149,9 @@ class Progress {
   static void forget_in_child();
 
   std::mutex& ccl_mutex() { return mutex_; }
+  // complete() has posted a finished collective's Future completion: the next collective of
+  // its group and lane may complete (sweep()).
+  void posted(const Communicator* comm, Callbacks::Lane lane);
   // Caller holds ccl_mutex().
   void track(c10::intrusive_ptr<WorkCCL> work);
   // Caller holds ccl_mutex(). A Work that expired (failed, timed out or was
@@ -177,6 +183,9 @@ class Progress {
   std::mutex mutex_;
   std::condition_variable cv_;
   std::vector<c10::intrusive_ptr<WorkCCL>> inflight_;
+  // (group, lane) of collectives taken out of inflight_ whose complete() has not yet posted
+  // their Futures' completions: later collectives of the same key wait for it (sweep()).
+  std::vector<std::pair<const Communicator*, Callbacks::Lane>> completing_;
   // Works that expired while oneCCL may still use their buffers: never freed.
   std::vector<c10::intrusive_ptr<WorkCCL>> abandoned_;
   std::thread background_;

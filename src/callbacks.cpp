@@ -185,7 +185,13 @@ bool Callbacks::rescue_stuck_locked() {
     bool busy = state.runner && now - state.job_started < kKeepAtMost &&
         (state.runner->in_wait.load(std::memory_order_relaxed) > 0 ||
          (state.runner->job_ops && state.runner->job_ops->load(std::memory_order_relaxed) > 0));
-    if (!busy && state.runner && state.runner->has_clock && now - state.job_started < kKeepAtMost) {
+    if (busy) {
+      // Judged afresh from when that wait ends: the job then takes a moment (its Future's
+      // completion, the GIL) before it computes or issues its next collective, and its CPU
+      // time over the wait says nothing of that.
+      state.looked = now;
+      state.cpu_looked = state.runner->has_clock ? cpu_time(state.runner->cpu_clock) : std::chrono::nanoseconds(0);
+    } else if (state.runner && state.runner->has_clock && now - state.job_started < kKeepAtMost) {
       const auto since = now - state.looked;
       if (since < kJudgeOver) {
         watching = true; // too soon to tell

@@ -301,13 +301,18 @@ void WorkCCL::complete() {
         self->future_settled_ = true;
       }
       self->future_cv_.notify_all();
+      // Only now: a callback that issued this op and waits on its Future is waiting on it
+      // until here, not on its lane.
+      self->done_in_job();
     });
   }
   if (in_completing_) {
     Progress::get().posted(comm_.get(), lane_);
     in_completing_ = false;
   }
-  done_in_job();
+  if (!future) {
+    done_in_job();
+  }
 }
 
 void WorkCCL::wait_for_future(Clock::time_point limit) {
@@ -478,7 +483,10 @@ bool Progress::sweep() {
     // cannot). One waits here while an earlier one of its group and lane is in flight (which
     // moves on, or fails, first) or still completing on another thread (complete() posts
     // outside the lock). Not send/recv: those may complete in any order, by design.
-    std::vector<std::pair<const Communicator*, Callbacks::Lane>> earlier = completing_;
+    // Kept per thread: sweep() runs on every poll of a waiting thread, and an allocation per
+    // poll would show at small sizes.
+    thread_local std::vector<std::pair<const Communicator*, Callbacks::Lane>> earlier;
+    earlier.assign(completing_.begin(), completing_.end());
     for (size_t i = 0; i < inflight_.size();) {
       WorkCCL& w = *inflight_[i];
       const auto type = w.op_.type;

@@ -150,10 +150,14 @@ def test_wait_returns_after_the_futures_callbacks_as_gloos():
     assert ccl == gloo == [[(True, [3.0] * 4, [[3.0] * 4])] * 3] * 2, (ccl, gloo)
 
 
-def _computing_callback(rank, world):
+def _computing_callback(rank, world, waits_on_own_op):
     """Two ops complete together; the first one's callback computes for a while (on rank 0 only)
     before it issues a collective, the second's issues one at once. Each rank must issue them in
-    the same order (first callback's, then second's), or the two collectives pair up wrongly."""
+    the same order (first callback's, then second's), or the two collectives pair up wrongly.
+
+    With `waits_on_own_op`, the first callback first issues a small collective and waits on its
+    Future (PowerSGD's pattern): on rank 1 that wait lasts as long as rank 0 computes, and the
+    callback is not blocked on its lane during it, nor in the moment after it."""
     issued = []
 
     def first(f):
@@ -161,6 +165,10 @@ def _computing_callback(rank, world):
             end = time.perf_counter() + 0.5  # longer than the 200 ms over which the backend judges it
             while time.perf_counter() < end:  # computing, on this thread: not blocked on its lane
                 pass
+        if waits_on_own_op:
+            own = torch.ones(2)
+            dist.all_reduce(own, async_op=True).get_future().wait()
+            issued.append(("own", own, None))
         x = torch.full((1000,), rank + 1.0)
         issued.append(("first", x, dist.all_reduce(x, async_op=True)))
         return f.value()
@@ -170,28 +178,37 @@ def _computing_callback(rank, world):
         issued.append(("second", y, dist.all_reduce(y, async_op=True)))
         return f.value()
 
-    if rank != 0:
-        await_announcement("chained")  # rank 0's ops are in flight when it chains the callbacks
+    # The rank that chains first has its ops in flight then, so its callbacks run on the
+    # backend's callback threads, the second one in line behind the first. Without
+    # `waits_on_own_op` that is rank 0, which computes; with it, rank 1, which waits.
+    # (On the other rank both ops are done when it chains, and then() runs each callback at
+    # once on this thread, in this order.)
+    chains_first = 1 if waits_on_own_op else 0
+    if rank != chains_first:
+        await_announcement("chained")
     a, b = torch.ones(8), torch.ones(8)
     works = dist.all_reduce(a, async_op=True), dist.all_reduce(b, async_op=True)
-    # (On rank 1 both are done here, and then() runs each callback at once, in this order.)
     fa = works[0].get_future().then(first)
     fb = works[1].get_future().then(second)
-    if rank == 0:
+    if rank == chains_first:
         announce("chained")
     fa.wait()
     fb.wait()
     got = {}
     for name, tensor, work in issued:
-        work.wait()
+        if work is not None:
+            work.wait()
         got[name] = sorted(set(tensor.tolist()))
     return [name for name, _, _ in issued], got
 
 
-def test_a_computing_callback_keeps_the_order_of_collectives(transport):
-    for order, got in run_ranks(_computing_callback, 2, pg_timeout=60, env=TRANSPORTS[transport]):
-        assert order == ["first", "second"], order
-        assert got == {"first": [3.0], "second": [300.0]}, got
+@pytest.mark.parametrize("waits_on_own_op", [False, True], ids=["computes", "computes-then-waits-on-its-op"])
+def test_a_computing_callback_keeps_the_order_of_collectives(transport, waits_on_own_op):
+    want_order = ["own", "first", "second"] if waits_on_own_op else ["first", "second"]
+    want = {"own": [2.0], "first": [3.0], "second": [300.0]} if waits_on_own_op else {"first": [3.0], "second": [300.0]}
+    for order, got in run_ranks(_computing_callback, 2, waits_on_own_op, pg_timeout=60, env=TRANSPORTS[transport]):
+        assert order == want_order, order
+        assert got == want, got
 
 
 def _callback_wait_is_bounded(rank, world):

@@ -246,8 +246,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::endCoalescing() {
   }
   std::vector<at::Tensor> outputs;
   for (const auto& part : parts) {
-    auto r = part->result();
-    outputs.insert(outputs.end(), r.begin(), r.end());
+    outputs.insert(outputs.end(), part->outputs_.begin(), part->outputs_.end());
   }
   auto work = c10::make_intrusive<WorkCCL>(kCoalesced, comm_, std::vector<at::Tensor>{}, outputs, timeout_);
   work->parts = std::move(parts);

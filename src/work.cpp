@@ -445,6 +445,11 @@ c10::IValue WorkCCL::future_value() const {
 }
 
 std::vector<at::Tensor> WorkCCL::result() {
+  // As gloo: outputs still being written are no result, and a list of lists has no flat form.
+  TORCH_CHECK(done_.load(std::memory_order_acquire), "ccl ", describe(),
+              ": result() was called before the op completed; call wait() first");
+  TORCH_CHECK(nested_outputs.size() <= 1, "ccl ", describe(),
+              ": result() cannot hold its list of lists of outputs; use get_future().value()");
   return outputs_;
 }
 

@@ -78,8 +78,8 @@ class WorkCCL : public c10d::Work {
   std::vector<at::Tensor> buffers; // memory the transport reads or writes, kept alive until done
   std::function<void()> on_success; // phase 3 post-processing
   std::vector<c10::intrusive_ptr<WorkCCL>> parts; // a coalesced Work completes with its parts
-  // When set, the Future carries these lists (List[List[Tensor]]) instead of
-  // result()'s flat list, as gloo's does for all_gather_coalesced.
+  // When set, the Future carries these lists (List[List[Tensor]]) instead of the
+  // flat list, as gloo's does for all_gather_coalesced (whose result() refuses them).
   std::vector<std::vector<at::Tensor>> nested_outputs;
 
  private:

@@ -210,6 +210,37 @@ def barrier_and_work_result(group, rank, world):
 
 
 @scenario
+def work_result_refusals(group, rank, world):
+    """result() before the op completed, and of all_gather_coalesced's list of lists: gloo
+    refuses both, and the Work stays usable."""
+    from harness import announce, await_announcement
+
+    event = f"result before completion on {dist.get_backend(group)}"
+    t = _full((2,), float(rank))
+    if rank != 0:
+        await_announcement(event)  # rank 0's op cannot complete before this rank's is issued
+    work = dist.all_reduce(t, group=group, async_op=True)
+    early = None
+    if rank == 0:
+        try:
+            work.result()
+            early = "returned"
+        except RuntimeError as e:
+            early = (type(e).__name__, "wait()" in str(e))
+        announce(event)
+    work.wait()
+    pg = group or dist.distributed_c10d._get_default_group()
+    outs = [[torch.empty(2), torch.empty(1)] for _ in range(world)]
+    gathered = pg.allgather_coalesced(outs, [_full((2,), rank + 1.0), _full((1,), -rank)])
+    gathered.wait()
+    try:
+        lists = gathered.result()
+    except RuntimeError as e:
+        lists = (type(e).__name__, "get_future().value()" in str(e) or "getFuture() and value()" in str(e))
+    return {"early": early, "after": work.result(), "lists": lists, "outputs": outs}
+
+
+@scenario
 def large_messages(group, rank, world):
     # Sizes where oneCCL and the shared-memory transport take their large-message algorithms
     # (chunks, rings, single copy), lengths that no world size divides, values small enough

@@ -290,7 +290,15 @@ void ShmPending::check_signatures(const Prim& p) {
   for (int q = 0; q < n; ++q) {
     msg << (q ? "; " : "") << describe(q);
   }
-  msg << ". Nothing was exchanged; the process group remains usable.";
+  if (next_ == 0) {
+    msg << ". Nothing was exchanged; the process group remains usable.";
+  } else {
+    // An op of several parts (a sparse tensor's indices and values, several outputs): the
+    // earlier parts were exchanged, and may have written their outputs.
+    msg << ". Its first " << next_ << " of " << prims_.size()
+        << " parts were exchanged before this one and may have written their outputs; the rest was not. "
+        << "The process group remains usable.";
+  }
   throw CollectiveMismatch({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, msg.str());
 }
 

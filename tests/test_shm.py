@@ -403,6 +403,10 @@ def _mismatches(rank, world):
         "paths": lambda: dist.all_reduce(torch.ones(16 if rank == 0 else 100_000)),
         # Rank 0 expects 3 elements from rank 1, which sends 2.
         "uneven": lambda: dist.all_gather([torch.empty(2), torch.empty(3 if rank == 0 else 2)], torch.ones(2)),
+        # One op of two parts whose second does not match: the first was exchanged.
+        "second part": lambda: dist.distributed_c10d._get_default_group().reduce_scatter_tensor_coalesced(
+            [torch.empty(2), torch.empty(3 if rank == 0 else 2)],
+            [torch.ones(4), torch.ones(6 if rank == 0 else 4)]).wait(),
     }
     seen = {}
     for name, call in cases.items():
@@ -413,6 +417,8 @@ def _mismatches(rank, world):
             msg = str(e)
             assert "called different collectives" in msg and "remains usable" in msg, msg
             assert all(f"rank {r}: " in msg for r in range(world)), msg
+            said = "Its first 1 of 2 parts were exchanged" in msg, "Nothing was exchanged" in msg
+            assert said == ((True, False) if name == "second part" else (False, True)), msg
             seen[name] = "raised"
         t = torch.full((3,), rank + 1.0)
         dist.all_reduce(t)  # still usable

@@ -14,11 +14,12 @@
 # oneccl-devel: what DeepSpeed's CPU op builds and loads against):
 #     CPLUS_INCLUDE_PATH += <prefix>/include  oneapi/ccl.hpp for the op's build
 #     LD_LIBRARY_PATH    += <prefix>/lib      libccl.so.1, which has no RUNPATH
+#                                              (first; last in a conda env)
 # Programs started from this shell then take libfabric and hwloc from <prefix>/lib
 # too (docs/integrations.md). Sourcing it twice changes nothing more.
 
 _obp_usage() {
-    sed -n '2,21p' "$1" | sed 's/^# \{0,1\}//'
+    sed -n '2,/^$/p' "$1" | sed -e '/^$/d' -e 's/^# \{0,1\}//'
 }
 
 # Where this file is, whichever shell sources it.
@@ -39,7 +40,8 @@ if [ -n "${BASH_SOURCE:-}" ]; then
 elif [ -n "${ZSH_VERSION:-}" ]; then
     case "${ZSH_EVAL_CONTEXT:-}" in *:file*) ;; *) _obp_executed=1 ;; esac
 else
-    case "$0" in *setvars.sh) _obp_executed=1 ;; esac
+    # (Not *setvars.sh: a job script named my_setvars.sh may source this one.)
+    case "$0" in setvars.sh|*/setvars.sh) _obp_executed=1 ;; esac
 fi
 if [ "$_obp_executed" = 1 ]; then
     echo "setvars.sh must be sourced, not executed: source $0" >&2
@@ -86,7 +88,15 @@ if [ -f "$_obp_prefix/include/oneapi/ccl.hpp" ] && [ -f "$_obp_prefix/lib/libccl
     esac
     case ":${LD_LIBRARY_PATH:-}:" in
         *":$_obp_prefix/lib:"*) ;;
-        *) export LD_LIBRARY_PATH="$_obp_prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
+        *)
+            if [ -d "$_obp_prefix/conda-meta" ]; then
+                # A conda env's lib holds its own libstdc++, OpenSSL, ncurses, ...: last, so
+                # that the system's programs started from this shell keep the system's.
+                export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$_obp_prefix/lib"
+            else
+                export LD_LIBRARY_PATH="$_obp_prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+            fi
+            ;;
     esac
 fi
 

@@ -316,13 +316,35 @@ def test_setvars_sourced_twice_sets_the_environment_once(shell, tmp_path):
     assert out[4].split(":") == [os.path.join(PREFIX, "include")], out[4]
 
 
-def test_setvars_refuses_to_run_and_documents_itself():
-    proc = subprocess.run(["bash", SETVARS], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and "must be sourced" in proc.stderr
+def test_setvars_refuses_to_run_and_documents_itself(tmp_path):
+    for shell in ("bash", "dash"):
+        proc = subprocess.run([shell, SETVARS], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1 and "must be sourced" in proc.stderr, (shell, proc.stderr)
+    # dash cannot tell sourced from run but by $0: a job script of a similar name sources it.
+    job = tmp_path / "my_setvars.sh"
+    job.write_text(f'. "{SETVARS}"\necho "sourced $I_MPI_ROOT"\n')
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin"}
+    proc = subprocess.run(["dash", str(job)], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith("sourced /"), (proc.stdout, proc.stderr)
     helptext = subprocess.run(["bash", "-c", f'. "{SETVARS}" --help'], capture_output=True, text=True,
                               timeout=60).stdout
     for var in ("PATH", "I_MPI_ROOT", "CCL_ROOT", "FI_PROVIDER_PATH", "CPLUS_INCLUDE_PATH", "LD_LIBRARY_PATH"):
         assert var in helptext
+    assert helptext.rstrip().endswith("Sourcing it twice changes nothing more."), helptext  # the header only
+
+
+def test_setvars_puts_a_conda_envs_lib_last(tmp_path):
+    """A conda env's lib has its own libstdc++, OpenSSL, ...: the system's programs keep theirs."""
+    here = tmp_path / "lib" / "python3.x" / "site-packages" / "oneccl_bind_pt" / "env"
+    here.mkdir(parents=True)
+    shutil.copy(SETVARS, here)
+    for made in ("conda-meta/history", "include/oneapi/ccl.hpp", "lib/libccl.so.1"):
+        (tmp_path / made).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / made).write_text("")
+    script = f'. "{here / "setvars.sh"}"; echo "$LD_LIBRARY_PATH"'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/opt/user/lib"}).stdout.strip()
+    assert out.split(":") == ["/opt/user/lib", str(tmp_path / "lib")], out
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -30,6 +30,10 @@ constexpr double kComputing = 0.1;
 // Over at least this long: a computing thread may wait for the GIL or for a core a while (a
 // loaded host), and a job blocked on its lane (rare) loses this much once.
 constexpr std::chrono::milliseconds kJudgeOver{200};
+// Once a wait of its own (Work::wait, its ops' Futures) has ended, a job is judged over this
+// long instead: it first has to be woken, scheduled and given the GIL, which on a crowded host
+// can take a while with no CPU time to show for it.
+constexpr std::chrono::milliseconds kJudgeAfterWait{1000};
 // A job kept past this with work queued behind it hands its lane on anyway (a callback spinning
 // on a Future that is queued behind it would otherwise hold it for good).
 constexpr std::chrono::seconds kKeepAtMost{30};
@@ -191,9 +195,10 @@ bool Callbacks::rescue_stuck_locked() {
       // time over the wait says nothing of that.
       state.looked = now;
       state.cpu_looked = state.runner->has_clock ? cpu_time(state.runner->cpu_clock) : std::chrono::nanoseconds(0);
+      state.after_wait = true;
     } else if (state.runner && state.runner->has_clock && now - state.job_started < kKeepAtMost) {
       const auto since = now - state.looked;
-      if (since < kJudgeOver) {
+      if (since < (state.after_wait ? kJudgeAfterWait : kJudgeOver)) {
         watching = true; // too soon to tell
         continue;
       }
@@ -201,6 +206,7 @@ bool Callbacks::rescue_stuck_locked() {
       busy = cpu - state.cpu_looked >= std::chrono::duration_cast<std::chrono::nanoseconds>(since * kComputing);
       state.looked = now;
       state.cpu_looked = cpu;
+      state.after_wait = false;
     }
     if (busy) {
       watching = true;
@@ -253,6 +259,7 @@ void Callbacks::runner_loop(uint64_t id) {
       auto job = std::move(it->second.jobs.front());
       it->second.jobs.pop_front();
       it->second.job_started = it->second.looked = Clock::now();
+      it->second.after_wait = false;
       it->second.cpu_looked = me.has_clock ? cpu_time(me.cpu_clock) : std::chrono::nanoseconds(0);
       me.job_ops = std::make_shared<std::atomic<int>>(0);
       lock.unlock();

@@ -17,7 +17,8 @@
 //    across that one job. A job that computes (on a CPU a tenth of the last
 //    200 ms or more) or waits in Work::wait() (which moves its op itself) is
 //    not blocked by its lane and keeps it, as does one whose own ops are in
-//    flight (waiting on their Futures): handing the lane on would let later
+//    flight (waiting on their Futures), and for a second after such a wait
+//    ends (time to wake and take the GIL): handing the lane on would let later
 //    callbacks issue their collectives before this one's, in an order that
 //    differs between ranks. After 30 s any job with work behind it hands on.
 #pragma once
@@ -84,6 +85,7 @@ class Callbacks {
     // The last look at a long job: when, and the runner's CPU time then.
     std::chrono::steady_clock::time_point looked;
     std::chrono::nanoseconds cpu_looked{0};
+    bool after_wait = false; // the last look found it waiting (kJudgeAfterWait)
   };
 
   Callbacks() = default;

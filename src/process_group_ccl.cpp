@@ -193,9 +193,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::run(Call&& call) {
     C10_THROW_ERROR(DistBackendError, std::string("ccl ") + call.op.name +
                                           ": this process group cannot be used here: " + comm_->broken_reason());
   }
-  TORCH_CHECK(
-      !comm_->broken(), "ccl ", call.op.name,
-      ": this process group is unusable after an earlier failure: ", comm_->broken_reason());
+  if (comm_->broken()) {
+    // DistBackendError, as for the failure itself: code that catches it to shrink or restart
+    // catches the refusals of later ops too.
+    C10_THROW_ERROR(DistBackendError, std::string("ccl ") + call.op.name +
+                                          ": this process group is unusable after an earlier failure: " +
+                                          comm_->broken_reason());
+  }
   auto work = c10::make_intrusive<WorkCCL>(
       call.op, comm_, call.inputs, std::move(call.outputs), call.timeout);
   seq_.fetch_add(1, std::memory_order_relaxed);
@@ -208,7 +212,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::run(Call&& call) {
   {
     std::lock_guard<std::mutex> lock(progress.ccl_mutex());
     work->pending = comm_->start(call.op.name, std::move(call.prims));
-    finished = work->poll_locked(Clock::now());
+    // Not at once behind an earlier collective of this group and lane: oneCCL can finish a
+    // small op before a large one issued earlier, and its Future's callbacks would run first.
+    finished = !progress.behind_another_locked(*work) && work->poll_locked(Clock::now());
     if (!finished) {
       progress.track(work);
     } else if (work->expired_) {

@@ -473,6 +473,24 @@ void Progress::abandon(c10::intrusive_ptr<WorkCCL> work) {
   abandoned_.push_back(std::move(work));
 }
 
+namespace {
+// Collectives complete in issue order per group and lane; send/recv in any order, by design.
+bool in_issue_order(c10d::OpType type) {
+  return type != c10d::OpType::SEND && type != c10d::OpType::RECV && type != c10d::OpType::RECVANYSOURCE;
+}
+} // namespace
+
+bool Progress::behind_another_locked(const WorkCCL& work) const {
+  if (!in_issue_order(work.op_.type)) {
+    return false;
+  }
+  const std::pair<const Communicator*, Callbacks::Lane> key{work.comm_.get(), work.lane_};
+  return std::find(completing_.begin(), completing_.end(), key) != completing_.end() ||
+      std::any_of(inflight_.begin(), inflight_.end(), [&](const auto& w) {
+        return w.get() != &work && in_issue_order(w->op_.type) && w->comm_.get() == key.first && w->lane_ == key.second;
+      });
+}
+
 bool Progress::sweep() {
   std::vector<c10::intrusive_ptr<WorkCCL>> finished;
   bool moved = false;
@@ -494,9 +512,7 @@ bool Progress::sweep() {
     earlier.assign(completing_.begin(), completing_.end());
     for (size_t i = 0; i < inflight_.size();) {
       WorkCCL& w = *inflight_[i];
-      const auto type = w.op_.type;
-      const bool ordered =
-          type != c10d::OpType::SEND && type != c10d::OpType::RECV && type != c10d::OpType::RECVANYSOURCE;
+      const bool ordered = in_issue_order(w.op_.type);
       const std::pair<const Communicator*, Callbacks::Lane> key{w.comm_.get(), w.lane_};
       if (ordered && std::find(earlier.begin(), earlier.end(), key) != earlier.end()) {
         ++i;

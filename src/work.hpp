@@ -154,6 +154,9 @@ class Progress {
   void posted(const Communicator* comm, Callbacks::Lane lane);
   // Caller holds ccl_mutex().
   void track(c10::intrusive_ptr<WorkCCL> work);
+  // Caller holds ccl_mutex(). Whether `work`, a collective, must complete after another of its
+  // group and lane that is still in flight or completing (sweep()'s issue order).
+  bool behind_another_locked(const WorkCCL& work) const;
   // Caller holds ccl_mutex(). A Work that expired (failed, timed out or was
   // aborted) while oneCCL may still use its op: kept for good, with its
   // buffers and its oneCCL events. oneCCL's event destructor waits for its

@@ -28,9 +28,12 @@ CCL_ATL_SHM                ``0`` when every rank is on  Ranks on one host exchan
                            on, else ``1`` (the ranks   carries every collective and p2p
                            tell each other through     (oneCCL's leaves a 64 MiB file per
                            the Store: oneCCL needs     rank in /dev/shm whenever a rank is
-                           it alike on all of them)    killed); across hosts, or with
-                                                       ONECCL_BIND_PT_SHM=0 on any rank,
-                                                       oneCCL's is used.
+                           it alike on all of them);   killed); across hosts, or with
+                           ``0`` too where that group  ONECCL_BIND_PT_SHM=0 on any rank,
+                           is one host's of a job      oneCCL's is used. oneCCL sets its own
+                           across hosts                up at its first communicator: one
+                                                       within a host made a later one
+                                                       across hosts hang in its creation.
 FI_SHM_DISABLE_CMA         ``1``                       libfabric's shared-memory provider
                                                        (oneCCL's, with CCL_ATL_SHM=1) then
                                                        copies through its shared buffers,
@@ -52,10 +55,14 @@ CCL_WORKER_OFFLOAD         ``0``, unless               oneCCL's worker thread bu
                                                        across hosts their gain is not
                                                        measured yet.
 CCL_KVS_IFACE              ``lo`` when every rank is   oneCCL's bootstrap listener binds
-                           on this host, else the NIC  the interface the job uses, not the
-                           that routes to rank 0's     first NIC it finds (nor all of them),
-                           host (MASTER_ADDR)          and libfabric's TCP traffic goes over
-FI_TCP_IFACE               the same NIC, across hosts  the same one.
+                           on this host (the job's,    the interface the job uses, not the
+                           where the launcher says:    first NIC it finds (nor all of them),
+                           a first group within one    and libfabric's TCP traffic goes over
+                           host of a job across hosts  the same one. oneCCL reads it once,
+                           gets the NIC), else the NIC for every group after the first.
+                           that routes to rank 0's
+                           host (MASTER_ADDR)
+FI_TCP_IFACE               the same NIC, across hosts
 CCL_LOG_LEVEL              ``error``                   oneCCL warns about every variable
                                                        above at startup; errors still show.
 TORCH_INCLUDE_STACK_TRACE  ``0``                       torch 2.15 dumps its flight recorder
@@ -84,7 +91,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from datetime import timedelta
 
 # Variables this module set, and the value: `doctor` shows them as ours.
@@ -186,13 +193,23 @@ def host_identity() -> str:
                      link("/proc/self/ns/net"), socket.gethostname()))
 
 
+def _job_layout(env: MutableMapping[str, str]) -> tuple[int, int, int | None] | None:
+    """(local rank, ranks on this host, ranks in the job) as a launcher told them (WORLD_SIZE may
+    be missing: None), or None."""
+    for rank_var, size_var in (("LOCAL_RANK", "LOCAL_WORLD_SIZE"), ("MPI_LOCALRANKID", "MPI_LOCALNRANKS")):
+        if rank_var in env and size_var in env:
+            world = env.get("WORLD_SIZE")
+            return int(env[rank_var]), int(env[size_var]), int(world) if world else None
+    return None
+
+
 def _local_layout(store, rank: int, size: int, env: MutableMapping[str, str], timeout: timedelta,
                   shm: str) -> tuple[int, int, list[str] | None]:
     """This rank's index among the ranks on its host, how many there are, and every rank's `shm`
     ("1": our shared memory on) where the ranks had to be asked (else None)."""
-    for rank_var, size_var in (("LOCAL_RANK", "LOCAL_WORLD_SIZE"), ("MPI_LOCALRANKID", "MPI_LOCALNRANKS")):
-        if rank_var in env and size_var in env and int(env.get("WORLD_SIZE", size)) == size:
-            return int(env[rank_var]), int(env[size_var]), None
+    job = _job_layout(env)
+    if job and job[2] in (None, size):
+        return job[0], job[1], None
     # No launcher told us (mp.spawn, hand-written scripts): compare hosts, and say whether
     # shared memory is on in the same round.
     host = host_identity()
@@ -303,9 +320,11 @@ def worker_plan(env: MutableMapping[str, str], *, local_rank: int, local_size: i
     return count, [physical[(end - count + i) % len(physical)][0] for i in range(count)], why
 
 
-def _apply_worker_defaults(env: MutableMapping[str, str], oneccl_carries: bool) -> None:
+def _apply_worker_defaults(env: MutableMapping[str, str], oneccl_carries: bool,
+                           agree: Callable[[int], int] | None = None) -> None:
+    """`agree`: the group's count from this rank's (every rank calls it once, with `auto`)."""
     global workers_why
-    _workers_asked(env)  # a bad value fails the group whoever manages the workers
+    asked = _workers_asked(env)  # a bad value fails the group whoever manages the workers
     if any(set_by_user(env, v) for v in WORKER_VARS):
         workers_why = "CCL_WORKER_* set by you"
         return
@@ -320,6 +339,13 @@ def _apply_worker_defaults(env: MutableMapping[str, str], oneccl_carries: bool) 
                                    cores=cores, pinned=pinned, torch_threads=max(1, torch.get_num_threads()),
                                    cpus=list(os.sched_getaffinity(0)))
     workers_why = f"{why}; cores: {cores_why}" if env.get("ONECCL_BIND_PT_WORKERS") == "auto" and oneccl_carries else why
+    if asked == "auto" and oneccl_carries and agree is not None:  # (the same on every rank of the group)
+        # oneCCL splits a collective into one part per worker on every rank: ranks with different
+        # counts would exchange parts that do not match. The fewest of any rank, for all.
+        group = agree(count)
+        if group < count:
+            count, cpus = group, cpus[:group]
+            workers_why += f"; {group}: the fewest of any rank (oneCCL needs one count on every rank)"
     if count == 0:
         _set_default(env, "CCL_WORKER_OFFLOAD", "0")
         return
@@ -342,21 +368,36 @@ def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str
     env.pop(MARK, None)
     ours = env.get("ONECCL_BIND_PT_SHM", "1").lower() not in ("0", "off", "false")
     local_rank, local_size, flags = _local_layout(store, rank, size, env, timeout, "1" if ours else "0")
+    # oneCCL reads its variables once, for this first group; later groups get the same. A first
+    # group within one host (gloo's default group, then a ccl group per host) must not leave a
+    # later group across hosts with CCL_KVS_IFACE=lo: where the launcher says the job spans
+    # hosts, it is treated as spanning them, and this host's ranks are the job's.
+    job = _job_layout(env)
+    job_spans_hosts = bool(job and job[2] is not None and job[2] > job[1])
+    group_on_one_host = local_size == size
+    if job_spans_hosts:
+        local_rank, local_size = job[0], job[1]
+    one_host = group_on_one_host and not job_spans_hosts
     _set_default(env, "CCL_PROCESS_LAUNCHER", "none")
     _set_default(env, "CCL_ATL_TRANSPORT", "ofi")
     _set_default(env, "CCL_LOCAL_RANK", str(local_rank))
     _set_default(env, "CCL_LOCAL_SIZE", str(local_size))
-    if local_size == size:
+    if one_host:
         # Our transport carries a group only where every rank has it on (shm.cpp); oneCCL's
         # shared memory must then be on for all of them alike, or their communicator cannot
         # connect (rendezvous.cpp refuses the group). Across hosts it is on everywhere anyway.
         if flags is None:
             flags = _exchange(store, rank, size, "shm", "1" if ours else "0", timeout)
         ours = "0" not in flags
-    _set_default(env, "CCL_ATL_SHM", "0" if ours and local_size == size else "1")
+    # oneCCL's shared memory (its own, beside libfabric's TCP) is chosen once, at its first
+    # communicator, from that one's ranks: measured, a first one within a host made a later one
+    # across hosts hang in its creation. So it is on only where this first group spans hosts.
+    _set_default(env, "CCL_ATL_SHM", "0" if group_on_one_host and (ours or job_spans_hosts) else "1")
     _set_default(env, "FI_SHM_DISABLE_CMA", "1")
-    _apply_worker_defaults(env, oneccl_carries=not (ours and local_size == size))
-    if local_size == size:
+    _apply_worker_defaults(env, oneccl_carries=not (ours and one_host),
+                           agree=lambda count: min(int(c) for c in _exchange(store, rank, size, "workers", str(count),
+                                                                              timeout)))
+    if one_host:
         _set_default(env, "CCL_KVS_IFACE", "lo")
     else:
         host = _master_host(store, env)

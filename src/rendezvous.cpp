@@ -76,7 +76,8 @@ std::string seconds_text(std::chrono::milliseconds timeout) {
 // the ranks cannot connect, and oneCCL finds it only inside its communicator creation, where a
 // rank then failed or waited for good (CCL_ATL_SHM on one rank only: one rank's transport failed
 // to start, the other hung tearing down its key-value store).
-constexpr const char* kMustAgree[] = {"CCL_ATL_TRANSPORT", "CCL_ATL_SHM"};
+// CCL_WORKER_COUNT: oneCCL splits a collective into one part per worker on every rank.
+constexpr const char* kMustAgree[] = {"CCL_ATL_TRANSPORT", "CCL_ATL_SHM", "CCL_WORKER_COUNT"};
 
 // "\nCCL_ATL_TRANSPORT=ofi\nCCL_ATL_SHM=0": as this process read them first, right after
 // oneCCL read its own (ccl::init); lower case, and an unset CCL_ATL_SHM as oneCCL's default.
@@ -85,7 +86,9 @@ const std::string& oneccl_settings() {
     std::string text;
     for (const char* name : kMustAgree) {
       const char* set = std::getenv(name);
-      std::string value = set ? set : std::string(name) == "CCL_ATL_SHM" ? "0" : "unset";
+      // Unset: oneCCL's defaults.
+      const std::string n(name);
+      std::string value = set ? set : n == "CCL_ATL_SHM" ? "0" : n == "CCL_WORKER_COUNT" ? "1" : "unset";
       std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::tolower(c); });
       text += std::string("\n") + name + "=" + value;
     }
@@ -135,7 +138,7 @@ std::string settings_disagreement(c10d::Store& store, int size) {
   if (differ.empty()) {
     return "";
   }
-  return "the ranks of this process group have different oneCCL transport settings, which must be the same on "
+  return "the ranks of this process group have different oneCCL settings, which must be the same on "
          "every rank: " + differ + ". Give each the same value on every rank (oneccl_bind_pt chooses them alike "
          "where you leave them unset)";
 }

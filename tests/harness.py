@@ -154,8 +154,35 @@ def popen(cmd, **kw) -> subprocess.Popen:
     return subprocess.Popen([str(c) for c in cmd], start_new_session=True, **kw)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (children before their own children)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])  # the name may hold spaces
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def kill_session(proc: subprocess.Popen) -> None:
-    """SIGKILLs the process group `proc` leads (ranks included, not only the launcher)."""
+    """SIGKILLs the process group `proc` leads and every process below it: ranks included, not
+    only the launcher, even those a launcher started in sessions of their own (torchrun does),
+    which would otherwise keep the output pipe open and a reader of it waiting for good."""
+    below = _descendants(proc.pid)
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

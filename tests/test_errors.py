@@ -173,10 +173,11 @@ def _collective_times_out(rank, world):
             assert 2.5 < waited < 30, waited
         else:
             raise AssertionError("all_reduce did not time out")
-        # The group refuses further work instead of mixing up collectives.
+        # The group refuses further work instead of mixing up collectives, with the failure's
+        # type (what code that shrinks or restarts on failure catches).
         try:
             dist.all_reduce(t)
-        except RuntimeError as e:
+        except dist.DistBackendError as e:
             assert "unusable" in str(e) and "rank 1 has not timed out" in str(e), str(e)
         else:
             raise AssertionError("a timed-out group accepted new work")
@@ -395,7 +396,9 @@ def test_shared_memory_off_on_one_rank_at_init_runs_the_group_through_oneccl(off
 @pytest.mark.parametrize("env, says", [
     ({1: {"CCL_ATL_SHM": "1"}}, "CCL_ATL_SHM is 0 on rank 0 and 1 on rank 1"),
     ({0: {"CCL_ATL_TRANSPORT": "mpi"}}, "CCL_ATL_TRANSPORT is mpi on rank 0 and ofi on rank 1"),
-], ids=["atl-shm", "atl-transport"])
+    # oneCCL splits each collective into one part per worker: counts must match.
+    ({1: {"CCL_WORKER_COUNT": "2", "CCL_WORKER_OFFLOAD": "1"}}, "CCL_WORKER_COUNT is 1 on rank 0 and 2 on rank 1"),
+], ids=["atl-shm", "atl-transport", "worker-count"])
 def test_a_oneccl_setting_that_differs_between_ranks_fails_every_rank_at_the_rendezvous(env, says):
     start = time.monotonic()
     with pytest.raises(RankFailure) as caught:
@@ -405,7 +408,7 @@ def test_a_oneccl_setting_that_differs_between_ranks_fails_every_rank_at_the_ren
     for rank in range(2):
         said = _raised(text, rank)
         assert said.startswith("torch.distributed.DistBackendError: ccl rendezvous: the ranks of this process group "
-                               "have different oneCCL transport settings"), text
+                               "have different oneCCL settings"), text
         assert says in said and said.endswith(f"(rank {rank} gives up on this process group with it)"), text
     assert "oneCCL:" not in text, text  # refused before oneCCL was asked to connect them
     assert took < 30, f"the ranks took {took:.0f} s to fail; the group timeout is 60 s"

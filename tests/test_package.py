@@ -181,6 +181,7 @@ def test_shared_memory_off_on_another_rank_gives_oneccl_its_own_here():
     # memory (CCL_ATL_SHM must be alike on all ranks), and may get workers.
     store = dist.HashStore()
     store.set("oneccl/defaults/shm/1", "0")
+    store.set("oneccl/defaults/workers/1", "2")  # and would take as many workers as this one, or more
     env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "ONECCL_BIND_PT_WORKERS": "auto"}
     _env.apply_ccl_defaults(store, 0, 2, env)
     assert env["CCL_ATL_SHM"] == "1", env
@@ -282,6 +283,45 @@ def test_oneccl_workers_variables_and_refusal():
         with pytest.raises(ValueError, match="ONECCL_BIND_PT_WORKERS=some is not auto or a whole number from 0 to 64"):
             _env.apply_ccl_defaults(store, 0, 2, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2",
                                                   "ONECCL_BIND_PT_WORKERS": "some", **mine})
+
+
+def test_auto_workers_are_the_fewest_any_rank_would_take(monkeypatch):
+    # oneCCL splits each collective into one part per worker on every rank: with `auto`, a rank
+    # with 8 cores (2 workers) and one with fewer (1) both take 1. (rank_cores is this package's
+    # own reading of the host, given here; oneCCL is not involved.)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    from oneccl_bind_pt import _C
+
+    monkeypatch.setattr(_C, "rank_cores", lambda local_size: (8, False, "8 for the test", None))
+    for theirs, count in (("1", "1"), ("2", "2"), ("0", None)):
+        store = dist.HashStore()
+        store.set("oneccl/defaults/workers/1", theirs)
+        env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2", "ONECCL_BIND_PT_WORKERS": "auto"}
+        _env.apply_ccl_defaults(store, 0, 2, env, timeout=datetime.timedelta(seconds=5))
+        assert store.get("oneccl/defaults/workers/0").decode() == "2"  # what this rank would take
+        assert env.get("CCL_WORKER_COUNT") == count, (theirs, env)
+        if count:
+            assert len(env["CCL_WORKER_AFFINITY"].split(",")) == int(count), env
+        if theirs != "2":
+            assert "the fewest of any rank" in _env.workers_why, _env.workers_why
+
+
+def test_a_first_group_within_one_host_of_a_job_across_hosts_leaves_oneccl_ready_for_both():
+    # gloo's default group, then a ccl group of this host's 2 ranks (of 4 on two hosts), first:
+    # oneCCL reads its variables once, so a later ccl group across hosts needs them too.
+    host = _env.host_identity()
+    store = dist.HashStore()
+    store.set("oneccl/defaults/host/1", f"1 {host}")
+    towards = "192.0.2.1"  # documentation's address: routed as another host's would be, never reached
+    env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4", "MASTER_ADDR": towards}
+    _env.apply_ccl_defaults(store, 0, 2, env, timeout=datetime.timedelta(seconds=5))
+    assert (env["CCL_LOCAL_RANK"], env["CCL_LOCAL_SIZE"]) == ("0", "2"), env
+    # Not loopback (the old choice for a group within one host, which a group across hosts cannot
+    # reach): the interface towards the job's rank 0, where there is a route to it.
+    assert env.get("CCL_KVS_IFACE") == _env.interface_towards(towards) and env.get("CCL_KVS_IFACE") != "lo", env
+    # oneCCL's own shared memory is set up at its first communicator from that one's ranks, and a
+    # later communicator across hosts then hung in its creation (test_two_hosts.py): off here.
+    assert env["CCL_ATL_SHM"] == "0", env
 
 
 @pytest.mark.parametrize("name", ["oneccl_bind_pt", "oneccl_bindings_for_pytorch", "torch_ccl"])

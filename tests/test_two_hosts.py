@@ -253,16 +253,16 @@ def test_six_ranks_on_two_hosts_3_plus_3(two_hosts):
 # ---- torchrun on each host: subgroups within a host ------------------------------------
 
 
-def _torchrun_on_hosts(hosts, port, nproc, script, timeout):
+def _torchrun_on_hosts(hosts, port, nproc, script, timeout, args=()):
     """One torchrun agent per network namespace; returns each host's output (all must exit 0)."""
     addr = hosts.addr
     procs = [
         popen(
             hosts.on(k, [BIN / "torchrun", "--nnodes", "2", "--nproc_per_node", str(nproc),
                          "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{addr[0]}:{port}", "--rdzv_id", "hosts",
-                         "--rdzv_conf", f"is_host={k == 0}", "--local_addr", addr[k], script]),
+                         "--rdzv_conf", f"is_host={k == 0}", "--local_addr", addr[k], script, *args]),
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=_user_env(),
+            env={**_user_env(), "GLOO_SOCKET_IFNAME": hosts.dev[k]},  # for a gloo group beside ours
         )
         for k in (0, 1)
     ]
@@ -272,11 +272,14 @@ def _torchrun_on_hosts(hosts, port, nproc, script, timeout):
     return outs
 
 
-def test_subgroup_on_one_host_takes_shared_memory_inside_a_two_host_world(two_hosts):
+# "gloo-default": the first ccl group of each process is its host's, and the world's ccl group
+# comes after it (oneCCL reads its variables once, for the first group).
+@pytest.mark.parametrize("default", ["ccl", "gloo"], ids=["ccl-default", "gloo-default-host-groups-first"])
+def test_subgroup_on_one_host_takes_shared_memory_inside_a_two_host_world(two_hosts, default):
     ns, dev = two_hosts.ns, two_hosts.dev
     port = free_port()
     sent_before = _tx_bytes(ns[0], dev[0])
-    outs = _torchrun_on_hosts(two_hosts, port, 2, "tests/scripts/host_subgroups.py", timeout=240)
+    outs = _torchrun_on_hosts(two_hosts, port, 2, "tests/scripts/host_subgroups.py", timeout=240, args=[default])
     # Ranks share a pipe, so a line may run into the next rank's: match each value exactly
     # (\S+ here once swallowed "n/arank 1 ...", losing rank 1's line).
     lines = re.findall(r"rank (\d) world_path=(\w+) local_path=(\w+) ok=(True|False) any_source_refused=(yes|no|n/a|other)",

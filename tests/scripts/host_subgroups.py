@@ -1,37 +1,43 @@
 """Two hosts of two ranks: each host's subgroup takes shared memory, the world takes oneCCL.
 
 Prints one line per rank with the paths taken and whether every value was right.
+With the argument `gloo` the default group is gloo's, and the ccl groups are made after it,
+each host's first: the first ccl group of the process is then one host's, and the world's,
+made next, must still reach across hosts.
 """
 
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
 
 import oneccl_bind_pt  # noqa: F401
 
-dist.init_process_group("ccl")
+default = sys.argv[1] if len(sys.argv) > 1 else "ccl"
+dist.init_process_group(default)
 rank, world = dist.get_rank(), dist.get_world_size()
 hosts = [None] * world
 dist.all_gather_object(hosts, socket.gethostname())
 mine = [r for r in range(world) if hosts[r] == hosts[rank]]
 # new_subgroups_by_enumeration: every rank creates every group, in one order.
 local, _ = dist.new_subgroups_by_enumeration([[r for r in range(world) if hosts[r] == h]
-                                              for h in dict.fromkeys(hosts)])
+                                              for h in dict.fromkeys(hosts)], backend="ccl")
+everyone = dist.group.WORLD if default == "ccl" else dist.new_group(backend="ccl")
 
 
 def backend(group):
     return group._get_backend(torch.device("cpu"))
 
 
-paths = {"world": backend(dist.group.WORLD)._path("allreduce", 4096), "local": backend(local)._path("allreduce", 4096)}
+paths = {"world": backend(everyone)._path("allreduce", 4096), "local": backend(local)._path("allreduce", 4096)}
 ok = True
 for _ in range(3):  # interleave the two transports
     x = torch.full((1024,), float(rank + 1))
     dist.all_reduce(x, group=local)
     ok &= torch.equal(x, torch.full((1024,), float(sum(r + 1 for r in mine))))
     y = torch.arange(1 << 16, dtype=torch.float32) + rank
-    work = dist.all_reduce(y, async_op=True)
+    work = dist.all_reduce(y, group=everyone, async_op=True)
     z = torch.full((7,), float(rank))
     dist.broadcast(z, src=mine[0], group=local)
     work.wait()
@@ -50,11 +56,11 @@ elif rank == mine[0]:
 refused = "n/a"
 if rank == 0:
     try:
-        dist.recv(torch.zeros(1))
+        dist.recv(torch.zeros(1), group=everyone)
         refused = "no"
     except RuntimeError as e:
         refused = "yes" if "any source" in str(e) else f"other: {e}"
-dist.barrier()
+dist.barrier(group=everyone)
 print(f"rank {rank} world_path={paths['world']} local_path={paths['local']} ok={bool(ok)} any_source_refused={refused}",
       flush=True)
 dist.destroy_process_group()

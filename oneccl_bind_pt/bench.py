@@ -8,9 +8,10 @@
 
 Columns (--backends), and the environment each one runs in:
 
-  ccl       torch.distributed calls on the default ccl group, with no variable set by
-            the benchmark: what users get (the package's own routing and oneCCL
-            defaults; on one host, the shared-memory transport up to its crossover).
+  ccl       torch.distributed calls on the default ccl group: what users get (the
+            package's own routing and oneCCL defaults; on one host, the shared-memory
+            transport up to its crossover). Spawned ranks run with OMP_NUM_THREADS=1
+            unless it is set, as torchrun starts them (the helper count depends on it).
   pg        the ccl backend's own methods on that group, skipping torch.distributed's
             Python layer (pg -> ccl is torch.distributed's own cost).
   future    the same calls as ccl with async_op=True, each waited on through its Work's
@@ -589,19 +590,26 @@ def plot(results, path):
     fig.savefig(path, dpi=110)
 
 
+def write_json(results, world, args, sets, skipped, partial=False):
+    """--json: every point so far. `partial`: more sets of processes are to come (a run cut
+    short by a time limit keeps what its finished sets measured)."""
+    if not args.json:
+        return
+    columns = {b: {"env": st["env"], "group_env": column(b).group_env, "processes": i}
+               for i, st in enumerate(sets) for b in st["columns"]}
+    with open(args.json, "w") as f:
+        json.dump({"world": world, "cpus": os.cpu_count(), "memory_hog": args.memory_hog, "late_us": args.late_us,
+                   "inherited_env": args.inherited_env, "columns": columns, "processes": sets,
+                   "skipped": skipped, "partial": partial, "points": [asdict(p) for p in results]}, f, indent=1)
+
+
 def finish(results, world, args, sets, skipped):
     """Rank 0's (or the spawning process's) output: the table, --json, --plot."""
     if skipped:
         print(f"left out under a launcher (they need processes started with other variables; run without one): "
               f"{', '.join(skipped)}", flush=True)
     report(results, world, args, sets)
-    if args.json:
-        columns = {b: {"env": st["env"], "group_env": column(b).group_env, "processes": i}
-                   for i, st in enumerate(sets) for b in st["columns"]}
-        with open(args.json, "w") as f:
-            json.dump({"world": world, "cpus": os.cpu_count(), "memory_hog": args.memory_hog, "late_us": args.late_us,
-                       "inherited_env": args.inherited_env, "columns": columns, "processes": sets,
-                       "skipped": skipped, "points": [asdict(p) for p in results]}, f, indent=1)
+    write_json(results, world, args, sets, skipped)
     if args.plot:
         plot(results, args.plot)
 
@@ -654,6 +662,7 @@ def spawn_sets(args):
             results += [Point(**p) for p in got["points"]]
             sets.append({"env": env, "columns": columns, "defaults": got["defaults"], "pinned": pin,
                          "seconds": round(time.monotonic() - start, 1)})
+            write_json(results, args.nprocs, args, sets, [], partial=True)
     finish(results, args.nprocs, args, sets, [])
     return 0
 

@@ -456,7 +456,8 @@ def report(args) -> int:
         points: dict[tuple, dict[str, float]] = {}
         for p in run["points"]:
             points.setdefault((p["op"], p["dtype"], p["bytes"]), {})[p["backend"]] = p["median_us"]
-        print(f"{run['world']} ranks ({f.name}): median us; best = the faster of oneccl and oneccl+w; "
+        cut = "; PARTIAL: a time limit stopped it, its later sets of processes are missing" if run.get("partial") else ""
+        print(f"{run['world']} ranks ({f.name}{cut}): median us; best = the faster of oneccl and oneccl+w; "
               "single (where run): single copy at every size")
         print(f"  {'op':<15}{'dtype':<10}{'bytes':>10}{'ccl':>11}{'oneccl':>11}{'oneccl+w':>11}{'ccl/best':>9}  "
               f"{'single':>11}{'single/ccl':>11}")

@@ -161,7 +161,8 @@ HelperPlan choose() {
   const RankCores mine = rank_cores(local);
   const int compute = std::max(1, at::get_num_threads());
   const int workers = oneccl_workers();
-  plan.count = std::clamp(mine.cores - compute - workers, 0, kMaxHelpers);
+  // In long: an absurd CCL_WORKER_COUNT (read up to INT32_MAX) must not wrap to a large count.
+  plan.count = static_cast<int>(std::clamp<long>(static_cast<long>(mine.cores) - compute - workers, 0, kMaxHelpers));
   plan.description = "helpers " + std::to_string(plan.count) + " (" + of(mine.cores, "core") + " for this rank: " +
       mine.why + "; less " + of(compute, "torch thread") +
       (workers > 0 ? "; less " + of(workers, "oneCCL worker") : std::string()) + "; at most " +

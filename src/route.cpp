@@ -25,11 +25,11 @@ double parse_bytes(const char* v) {
   }
   const std::string unit(end);
   double scale = 1;
-  if (unit == "K" || unit == "KiB" || unit == "k") {
+  if (unit == "K" || unit == "KiB" || unit == "k" || unit == "KB" || unit == "kB") {
     scale = 1024;
-  } else if (unit == "M" || unit == "MiB") {
+  } else if (unit == "M" || unit == "MiB" || unit == "m" || unit == "MB") {
     scale = 1024.0 * 1024;
-  } else if (unit == "G" || unit == "GiB") {
+  } else if (unit == "G" || unit == "GiB" || unit == "g" || unit == "GB") {
     scale = 1024.0 * 1024 * 1024;
   } else if (!unit.empty()) {
     return -1;
@@ -190,10 +190,17 @@ ShmLimits ShmLimits::from_env() {
   }
   const char* from = std::getenv("ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES");
   if (from && *from) {
-    // One threshold for every kind, with no upper end.
-    const size_t b = env_bytes("ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES", kAny);
-    l.single_copy = PerKind{b, b, b, b, b, b, b};
-    l.single_copy_to = PerKind{kAny, kAny, kAny, kAny, kAny, kAny, kAny};
+    // One threshold for every kind, with no upper end; a value not understood keeps the
+    // measured bands (it once turned single copy off for every size).
+    const double parsed = parse_bytes(from);
+    if (parsed < 0) {
+      TORCH_WARN("ccl: ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES=", from,
+                 " is not a size (e.g. 262144, 256K, 4M, 0); keeping the measured defaults");
+    } else {
+      const size_t b = parsed >= static_cast<double>(kAny) ? kAny : static_cast<size_t>(parsed);
+      l.single_copy = PerKind{b, b, b, b, b, b, b};
+      l.single_copy_to = PerKind{kAny, kAny, kAny, kAny, kAny, kAny, kAny};
+    }
   }
   return l;
 }

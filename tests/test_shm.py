@@ -227,7 +227,7 @@ def test_a_bad_staging_chunk_fails_the_group_with_its_name(monkeypatch):
     # of them gets as far as a communicator, so no ranks are needed.
     from oneccl_bind_pt import _C
 
-    for value in ("1K", "4M", "-64K", "256KB"):
+    for value in ("1K", "4M", "-64K", "256KQ"):  # (256KB, 256 KiB as bench reads it, is a size)
         monkeypatch.setenv("ONECCL_BIND_PT_SHM_CHUNK_BYTES", value)
         with pytest.raises(ValueError, match=f"ONECCL_BIND_PT_SHM_CHUNK_BYTES={value} is not a size from 64K to 2M"):
             # (Were it not checked, the rendezvous would fail after 2 s, not with this error.)

@@ -188,7 +188,7 @@ def train(args, rank, world, dtype, groups, control):
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=control)
         times[c] = slowest.mul(1e3).tolist()  # step by step, as they took turns
         ms = sorted(times[c])
-        summary[c].update(median_ms=statistics.median(ms), p90_ms=ms[int(0.9 * (len(ms) - 1))], steps=times[c])
+        summary[c].update(median_ms=statistics.median(ms), p90_ms=ms[min(len(ms) - 1, int(0.9 * len(ms)))], steps=times[c])
     for c in summary:
         if "local" in times and c != "local":
             # Paired by step: the configurations took turns, so a slow phase falls on both.

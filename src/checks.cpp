@@ -22,6 +22,14 @@ void check_tensor(const char* op, const at::Tensor& t, const std::string& what, 
       t.strides(), "); pass tensor.contiguous()");
 }
 
+void check_p2p_layout(const char* op, const at::Tensor& t) {
+  // As gloo and NCCL: the bytes go as they lie in memory, and the other side's tensor may lie
+  // otherwise (a transposed view against a fresh tensor): values would land permuted.
+  CCL_CHECK_ARG(t.is_contiguous(t.suggest_memory_format()), "ccl ", op, ": tensor is not contiguous (sizes ",
+                t.sizes(), ", strides ", t.strides(), "); the peer's tensor may lie otherwise in memory: pass "
+                "tensor.contiguous()");
+}
+
 const at::Tensor& single(const char* op, const std::vector<at::Tensor>& tensors, bool dense_ok) {
   CCL_CHECK_ARG(
       tensors.size() == 1, "ccl ", op, ": expected exactly one tensor, got ", tensors.size(),

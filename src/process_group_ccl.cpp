@@ -279,6 +279,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::send(
     int tag) {
   const char* op = kSend.name;
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
+  check_p2p_layout(op, t);
   check_rank(op, "destination rank", dst_rank, getSize());
   CCL_CHECK_ARG(dst_rank != getRank(), "ccl send: a rank cannot send to itself (rank ", dst_rank, ")");
   Call call{kSend, timeout_, {t}, {t}};
@@ -294,6 +295,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::recv(
     int tag) {
   const char* op = kRecv.name;
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
+  check_p2p_layout(op, t);
   check_rank(op, "source rank", src_rank, getSize());
   CCL_CHECK_ARG(src_rank != getRank(), "ccl recv: a rank cannot receive from itself (rank ", src_rank, ")");
   Call call{kRecv, timeout_, {t}, {t}};
@@ -307,6 +309,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::recvAnysource(
   const char* op = kRecvAnysource.name;
   if (comm_->shm()) {
     at::Tensor t = single(op, tensors, /*dense_ok=*/true);
+    check_p2p_layout(op, t);
     Call call{kRecvAnysource, timeout_, {t}, {t}};
     call.prims.push_back(bytes(K::Recv, nullptr, ptr(t), nbytes(t), /*peer=*/-1, tag));
     return run(std::move(call));

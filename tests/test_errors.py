@@ -62,6 +62,11 @@ def _cases(rank, world):
         "reduce root out of range": (lambda: _reduce_root(pg, -1), ["reduce", "out of range"]),
         "send to self": (lambda: pg.send([torch.ones(2)], rank, 0).wait(), ["send", "itself"]),
         "recv peer out of range": (lambda: pg.recv([torch.ones(2)], world, 0).wait(), ["recv", "out of range"]),
+        # The bytes go as they lie; the peer's tensor may lie otherwise (gloo and NCCL refuse too).
+        "send not contiguous": (lambda: pg.send([torch.ones(2, 3).t()], (rank + 1) % world, 0).wait(),
+                                ["send", "not contiguous", "contiguous()"]),
+        "recv not contiguous": (lambda: pg.recv([torch.empty(2, 3).t()], (rank + 1) % world, 0).wait(),
+                                ["recv", "not contiguous", "contiguous()"]),
         "bad split sizes": (
             lambda: dist.all_to_all_single(torch.empty(world), torch.ones(world), [1] * world, [2] * world),
             ["all_to_all_single", "split sizes"]),

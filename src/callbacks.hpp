@@ -56,8 +56,8 @@ class Callbacks {
   // Whether the calling thread runs a completion job (a Future's callbacks).
   static bool in_job();
   // For an op issued from inside a job: a count of that job's ops in flight, which the
-  // caller holds and decrements once the op is complete and its Future, if any, settled (a
-  // job whose ops are in flight waits on them, not on its lane). Null outside a job.
+  // caller holds and decrements once the op is complete (a job whose ops are in flight waits
+  // on them, not on its lane). Null outside a job.
   static std::shared_ptr<std::atomic<int>> count_op_in_job();
   // Marks the calling thread, for its lifetime, as inside Work::wait(): if it runs a
   // job, that job is not blocked on its lane.

@@ -23,9 +23,10 @@ void check_tensor(const char* op, const at::Tensor& t, const std::string& what, 
 }
 
 void check_p2p_layout(const char* op, const at::Tensor& t) {
-  // As gloo and NCCL: the bytes go as they lie in memory, and the other side's tensor may lie
-  // otherwise (a transposed view against a fresh tensor): values would land permuted.
-  CCL_CHECK_ARG(t.is_contiguous(t.suggest_memory_format()), "ccl ", op, ": tensor is not contiguous (sizes ",
+  // As gloo (channels_last refused too): the bytes go as they lie in memory, and the other
+  // side's tensor may lie otherwise (a transposed view or channels_last activation against a
+  // fresh tensor): values would land permuted.
+  CCL_CHECK_ARG(t.is_contiguous(), "ccl ", op, ": tensor is not contiguous (sizes ",
                 t.sizes(), ", strides ", t.strides(), "); the peer's tensor may lie otherwise in memory: pass "
                 "tensor.contiguous()");
 }

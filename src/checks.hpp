@@ -15,7 +15,7 @@ namespace oneccl_bind_pt {
 // `dense_ok`: element-wise ops accept any non-overlapping dense layout, as
 // every rank holds the same layout; ops that slice need row-major order.
 void check_tensor(const char* op, const at::Tensor& t, const std::string& what, bool dense_ok = false);
-// send/recv: contiguous in the tensor's own memory format (channels_last passes), as gloo checks.
+// send/recv: contiguous (row-major; channels_last is refused too), as gloo checks.
 void check_p2p_layout(const char* op, const at::Tensor& t);
 
 // The one tensor of a list-taking op (one process drives one CPU device).

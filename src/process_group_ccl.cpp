@@ -235,8 +235,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::run(Call&& call) {
 
 void ProcessGroupCCL::startCoalescing() {
   std::lock_guard<std::mutex> lock(coalesce_mutex_);
-  TORCH_CHECK(coalescing_.try_emplace(std::this_thread::get_id()).second,
-              "ccl: startCoalescing called twice without endCoalescing");
+  // A block an op raised in (a refused tensor in batch_isend_irecv) never reached its
+  // endCoalescing: its ops were issued one by one and stand on their own; start afresh.
+  coalescing_[std::this_thread::get_id()].clear();
   coalescers_.store(coalescing_.size(), std::memory_order_release);
 }
 

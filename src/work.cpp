@@ -301,18 +301,16 @@ void WorkCCL::complete() {
         self->future_settled_ = true;
       }
       self->future_cv_.notify_all();
-      // Only now: a callback that issued this op and waits on its Future is waiting on it
-      // until here, not on its lane.
-      self->done_in_job();
     });
   }
   if (in_completing_) {
     Progress::get().posted(comm_.get(), lane_);
     in_completing_ = false;
   }
-  if (!future) {
-    done_in_job();
-  }
+  // (Not after the Future's callbacks: those may wait on a lane-0 Future queued behind the job
+  // that issued this op, which must then be handed on. The moment between this and that job's
+  // resuming is covered by Callbacks' judging it over kJudgeAfterWait.)
+  done_in_job();
 }
 
 void WorkCCL::wait_for_future(Clock::time_point limit) {
@@ -474,20 +472,29 @@ void Progress::abandon(c10::intrusive_ptr<WorkCCL> work) {
 }
 
 namespace {
-// Collectives complete in issue order per group and lane; send/recv in any order, by design.
-bool in_issue_order(c10d::OpType type) {
-  return type != c10d::OpType::SEND && type != c10d::OpType::RECV && type != c10d::OpType::RECVANYSOURCE;
+bool is_p2p(c10d::OpType type) {
+  return type == c10d::OpType::SEND || type == c10d::OpType::RECV || type == c10d::OpType::RECVANYSOURCE;
+}
+
+// Collectives complete in issue order per group and lane; send/recv in any order, by design,
+// and so do batch_isend_irecv's blocks of them (a batch waiting for a peer's later recv must not
+// hold back a collective issued after it).
+bool in_issue_order(const WorkCCL& w) {
+  if (is_p2p(w.op().type)) {
+    return false;
+  }
+  return w.parts.empty() || !std::all_of(w.parts.begin(), w.parts.end(), [](const auto& p) { return is_p2p(p->op().type); });
 }
 } // namespace
 
 bool Progress::behind_another_locked(const WorkCCL& work) const {
-  if (!in_issue_order(work.op_.type)) {
+  if (!in_issue_order(work)) {
     return false;
   }
   const std::pair<const Communicator*, Callbacks::Lane> key{work.comm_.get(), work.lane_};
   return std::find(completing_.begin(), completing_.end(), key) != completing_.end() ||
       std::any_of(inflight_.begin(), inflight_.end(), [&](const auto& w) {
-        return w.get() != &work && in_issue_order(w->op_.type) && w->comm_.get() == key.first && w->lane_ == key.second;
+        return w.get() != &work && in_issue_order(*w) && w->comm_.get() == key.first && w->lane_ == key.second;
       });
 }
 
@@ -512,7 +519,7 @@ bool Progress::sweep() {
     earlier.assign(completing_.begin(), completing_.end());
     for (size_t i = 0; i < inflight_.size();) {
       WorkCCL& w = *inflight_[i];
-      const bool ordered = in_issue_order(w.op_.type);
+      const bool ordered = in_issue_order(w);
       const std::pair<const Communicator*, Callbacks::Lane> key{w.comm_.get(), w.lane_};
       if (ordered && std::find(earlier.begin(), earlier.end(), key) != earlier.end()) {
         ++i;

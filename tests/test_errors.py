@@ -67,6 +67,9 @@ def _cases(rank, world):
                                 ["send", "not contiguous", "contiguous()"]),
         "recv not contiguous": (lambda: pg.recv([torch.empty(2, 3).t()], (rank + 1) % world, 0).wait(),
                                 ["recv", "not contiguous", "contiguous()"]),
+        "send channels_last": (
+            lambda: pg.send([torch.ones(1, 4, 2, 2).to(memory_format=torch.channels_last)], (rank + 1) % world, 0).wait(),
+            ["send", "not contiguous"]),
         "bad split sizes": (
             lambda: dist.all_to_all_single(torch.empty(world), torch.ones(world), [1] * world, [2] * world),
             ["all_to_all_single", "split sizes"]),

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
+from harness import TRANSPORTS, expect_transport, run_ranks
 
 NO_SHM = {"ONECCL_BIND_PT_SHM": "0"}
 SHM_PATHS = {"staged": {"ONECCL_BIND_PT_SHM_SINGLE_COPY": "0"},
@@ -231,3 +231,31 @@ def test_oneccl_path_fails_a_queued_recv_once_the_group_broke():
     assert "did not complete within 3000 ms" in first, first
     assert "not started: the process group broke while it waited" in second, second
     assert "did not complete within 3000 ms" in second, second  # the first one's reason
+
+
+def _batches_after_a_refusal(rank, world):
+    """A batch refused part-way (a transposed view: gloo refuses it too) leaves the group, and the
+    next batch, usable; a batch whose send waits for the peer's later recv does not hold back a
+    collective issued after it (batches of send/recv complete in any order, as p2p does)."""
+    expect_transport()
+    peer = 1 - rank
+    try:
+        dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(2, 3).t(), peer)])
+    except RuntimeError as e:
+        assert "not contiguous" in str(e), str(e)
+    else:
+        raise AssertionError("a non-contiguous send was accepted")
+    big = torch.full((4 << 20,), float(rank))  # 16 MiB: more than the rings hold, so it waits for the recv
+    sending = dist.batch_isend_irecv([dist.P2POp(dist.isend, big, peer)])
+    x = torch.ones(4)
+    dist.all_reduce(x)  # each rank's recv comes only after this returns
+    got = torch.empty_like(big)
+    dist.recv(got, peer)
+    for w in sending:
+        w.wait()
+    return x.tolist(), got[0].item(), got[-1].item()
+
+
+def test_batches_after_a_refusal_and_beside_collectives(transport):
+    got = run_ranks(_batches_after_a_refusal, 2, pg_timeout=30, env=TRANSPORTS[transport])
+    assert got == [([2.0] * 4, 1.0, 1.0), ([2.0] * 4, 0.0, 0.0)], got

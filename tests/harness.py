@@ -177,6 +177,8 @@ def kill_session(proc: subprocess.Popen) -> None:
     """SIGKILLs the process group `proc` leads and every process below it: ranks included, not
     only the launcher, even those a launcher started in sessions of their own (torchrun does),
     which would otherwise keep the output pipe open and a reader of it waiting for good."""
+    if proc.returncode is not None:
+        return  # reaped: its pid may be another process's by now
     below = _descendants(proc.pid)
     for pid in below:
         try:

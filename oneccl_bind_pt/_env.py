@@ -61,7 +61,11 @@ CCL_KVS_IFACE              ``lo`` when every rank is   oneCCL's bootstrap listen
                            host of a job across hosts  the same one. oneCCL reads it once,
                            gets the NIC), else the NIC for every group after the first.
                            that routes to rank 0's
-                           host (MASTER_ADDR)
+                           host (MASTER_ADDR; where
+                           that is lo, on rank 0's
+                           host when its name is
+                           127.0.1.1 there, the NIC
+                           towards the other hosts)
 FI_TCP_IFACE               the same NIC, across hosts
 CCL_LOG_LEVEL              ``error``                   oneCCL warns about every variable
                                                        above at startup; errors still show.
@@ -86,6 +90,7 @@ _launchers.py.
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import json
 import os
 import socket
@@ -227,8 +232,13 @@ def _ipv4_of(interface: str) -> str | None:
     return socket.inet_ntoa(packed[20:24])
 
 
-def interface_towards(host: str) -> str | None:
-    """The local network interface the kernel would use to reach `host`."""
+# How long a rank on rank 0's host whose route there is loopback waits for another rank's
+# address (the group's ranks create it together; a few seconds cover their arrival).
+_PEER_ROUTE_WAIT_S = 10.0
+
+
+def _route_towards(host: str) -> tuple[str, str | None] | None:
+    """(this host's address, its interface) that the kernel would use to reach `host`."""
     try:
         address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -236,8 +246,56 @@ def interface_towards(host: str) -> str | None:
             local = s.getsockname()[0]
     except OSError:
         return None
+    return local, next((name for _, name in socket.if_nameindex() if _ipv4_of(name) == local), None)
+
+
+def interface_towards(host: str) -> str | None:
+    """The local network interface the kernel would use to reach `host`."""
+    route = _route_towards(host)
+    return route[1] if route else None
+
+
+def _loopback(address: str) -> bool:
+    return ipaddress.ip_address(address).is_loopback
+
+
+def _interface_across_hosts(store, rank: int, size: int, env: MutableMapping[str, str],
+                            timeout: timedelta) -> str | None:
+    """The interface towards rank 0's host, for a first group that spans hosts (or whose job does).
+    On rank 0's host its name may resolve to a loopback address (Debian's /etc/hosts gives a
+    host's own name 127.0.1.1), and the route towards it is `lo`, which the other hosts cannot
+    reach: there the interface is the one towards a rank on another host, from the addresses the
+    group's ranks reach rank 0's host from (each rank leaves its own in the store; only a rank
+    whose route is loopback waits, briefly, for another's: ranks whose first ccl group is another
+    one never come here). Failing that (a first group within rank 0's host), the interface of the
+    default route, else the first with an address that is not loopback (about oneCCL's own
+    choice, the first not named lo; left unset, libfabric's choice made the later group across
+    hosts fail in its first send)."""
+    host = _master_host(store, env)
+    route = _route_towards(host) if host else None
+    keys = [f"oneccl/defaults/route/{r}" for r in range(size)]
+    store.set(keys[rank], route[0] if route else "")
+    if route is None or not _loopback(route[0]):
+        return route[1] if route else None
+    others: list[str] = []
+    deadline = time.monotonic() + min(timeout.total_seconds(), _PEER_ROUTE_WAIT_S)
+    while True:
+        present = [key for key in keys if store.check([key])]
+        others = [a for a in (store.get(key).decode() for key in present) if a and not _loopback(a)]
+        left = deadline - time.monotonic()
+        if others or len(present) == size or left <= 0:
+            break
+        try:
+            store.wait([key for key in keys if key not in present], timedelta(seconds=max(0.001, min(left, 0.2))))
+        except RuntimeError:  # the slice ran out (DistStoreError)
+            pass
+    for destination in others + ["192.0.2.1"]:  # a documentation address: the default route
+        peer = _route_towards(destination)
+        if peer and not _loopback(peer[0]) and peer[1]:
+            return peer[1]
     for _, name in socket.if_nameindex():
-        if _ipv4_of(name) == local:
+        address = _ipv4_of(name)
+        if address and not _loopback(address):
             return name
     return None
 
@@ -400,8 +458,7 @@ def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str
     if one_host:
         _set_default(env, "CCL_KVS_IFACE", "lo")
     else:
-        host = _master_host(store, env)
-        interface = interface_towards(host) if host else None
+        interface = _interface_across_hosts(store, rank, size, env, timeout)
         if interface:
             _set_default(env, "CCL_KVS_IFACE", interface)
             _set_default(env, "FI_TCP_IFACE", interface)

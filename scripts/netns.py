@@ -11,9 +11,11 @@ scripts/fault_matrix.py's partition rows use it.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import subprocess
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 PARTITIONS = ("link-down", "drop")
 
@@ -51,13 +53,24 @@ class Hosts:
 
 
 @contextlib.contextmanager
-def hosts():
+def hosts(names: bool = False):
     """Two fresh namespaces with addresses 10.213.77.1 and .2; removed afterwards.
-    Raises subprocess.CalledProcessError when this machine cannot create them."""
+    names: each host resolves the host names (ns[k]) as Debian's and Ubuntu's /etc/hosts have
+    it: its own 127.0.1.1, the other's its address (`ip netns exec` mounts
+    /etc/netns/NS/hosts over /etc/hosts). Without it the names resolve to nothing.
+    Raises subprocess.CalledProcessError when this machine cannot create them (OSError when
+    it cannot write those files)."""
     tag = uuid.uuid4().hex[:6]
     h = Hosts(ns=[f"obp{tag}a", f"obp{tag}b"], dev=[f"obp{tag}0", f"obp{tag}1"],
               addr=["10.213.77.1", "10.213.77.2"])
+    top = Path("/etc/netns")
+    made_top = names and not top.exists()
+    etc = [top / n for n in h.ns]
     try:
+        if names:
+            for k in (0, 1):
+                etc[k].mkdir(parents=True, exist_ok=True)
+                (etc[k] / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {h.ns[k]}\n{h.addr[1 - k]} {h.ns[1 - k]}\n")
         _ip("netns", "add", h.ns[0])
         _ip("netns", "add", h.ns[1])
         _ip("link", "add", h.dev[0], "type", "veth", "peer", "name", h.dev[1])
@@ -70,3 +83,8 @@ def hosts():
     finally:
         for n in h.ns:
             subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=60)
+        for d in etc:
+            shutil.rmtree(d, ignore_errors=True)
+        if made_top:
+            with contextlib.suppress(OSError):
+                top.rmdir()

@@ -175,6 +175,26 @@ constexpr const char* kKvsHint =
     ": rank 0 may have died, or listen on an interface this host does not reach (CCL_KVS_IFACE on rank 0's "
     "host chooses it)";
 
+// Set once a oneCCL communicator (or its key-value store) failed to be created in this process,
+// or a creation was left behind.
+// Measured: after a creation that failed in libfabric's first send, freeing an earlier group's
+// communicator crashed the process (SIGSEGV in atl_comm_id_storage::release, at exit).
+std::atomic<bool> g_creation_failed{false};
+
+// oneCCL objects whose teardown is not safe (peers gone, an op of theirs left inside oneCCL, a
+// failed creation): kept to the end of the process, a leak instead of a crash or a hang. (A
+// key-value store's teardown tells rank 0's and waits for its answer with no time limit.)
+void leave_behind(std::optional<ccl::communicator> comm, std::shared_ptr<ccl::kvs> kvs) {
+  struct Left {
+    std::optional<ccl::communicator> comm;
+    std::shared_ptr<ccl::kvs> kvs;
+  };
+  static auto* mutex = new std::mutex(); // never freed: a group may be left as the process exits
+  static auto* graveyard = new std::vector<Left>();
+  std::lock_guard<std::mutex> lock(*mutex);
+  graveyard->push_back(Left{std::move(comm), std::move(kvs)});
+}
+
 struct Created {
   ccl::communicator comm;
   std::shared_ptr<ccl::kvs> kvs;
@@ -225,20 +245,21 @@ Created create_communicator(
       }
       comm.emplace(ccl::create_communicator(size, rank, kvs));
     } catch (const std::exception& e) {
+      g_creation_failed.store(true);
       error = e.what();
       if (!kvs) {
         error = "it could not reach rank 0's oneCCL key-value store: " + error +
             " (CCL_KVS_IFACE / CCL_KVS_IP_EXCHANGE choose its network interface)";
       }
     } catch (...) {
+      g_creation_failed.store(true);
       error = "an unknown exception";
     }
     std::lock_guard<std::mutex> lock(c->mutex);
-    if (c->abandoned && comm) {
+    if (c->abandoned) {
       // Its peers are gone or failed: tearing it down would call on them (the teardown
-      // that aborts the process, see kvs_answers). Left to the end of the process.
-      new ccl::communicator(std::move(*comm));
-      new std::shared_ptr<ccl::kvs>(kvs);
+      // that aborts the process, see kvs_answers), and so would the key-value store's.
+      leave_behind(std::move(comm), std::move(kvs));
     } else {
       c->comm = std::move(comm);
       c->kvs = std::move(kvs);
@@ -297,6 +318,7 @@ Created create_communicator(
     }
     if (!failed.empty() || late) {
       c->abandoned = true;
+      g_creation_failed.store(true); // its thread may still be inside oneCCL
       const bool attached = c->attached;
       lock.unlock();
       if (!failed.empty()) {
@@ -326,6 +348,7 @@ Created create_communicator(
   if (!c->comm) {
     // A peer that failed first is the cause: its leaving can make this rank's creation fail too.
     if (const std::string failed = announced_failure(store); !failed.empty()) {
+      leave_behind(std::nullopt, c->kvs);
       C10_THROW_ERROR(DistBackendError, who + " failed (" + c->error + "): " + failed + gives_up);
     }
     std::string why = c->error;
@@ -336,6 +359,7 @@ Created create_communicator(
       }
     }
     announce_failure(store, rank, "creating its oneCCL communicator failed: " + why);
+    leave_behind(std::nullopt, c->kvs); // measured: its teardown waited for rank 0's store for good
     C10_THROW_ERROR(DistBackendError, who + " failed: " + why);
   }
   return {std::move(*c->comm), std::move(c->kvs)};
@@ -355,11 +379,26 @@ Communicator::Communicator(
   ensure_ccl_initialized();
   auto met = rendezvous(store, rank, size, timeout, host_identity());
   host_peers_ = std::move(met.host_peers);
-  auto created = create_communicator(store, rank, size, timeout, met);
+  std::optional<Created> made;
+  try {
+    made.emplace(create_communicator(store, rank, size, timeout, met));
+  } catch (...) {
+    leave_behind(std::nullopt, met.kvs); // rank 0's store, made at the rendezvous (see leave_behind)
+    throw;
+  }
+  Created& created = *made;
   kvs_ = std::move(created.kvs);
   comm_.emplace(std::move(created.comm));
   ccl_ = std::make_unique<CclTransport>(*comm_, [this] { return broken() ? broken_reason() : std::string(); });
-  shm_ = Shm::connect(store, rank, size, timeout, ccl_.get());
+  try {
+    shm_ = Shm::connect(store, rank, size, timeout, ccl_.get());
+  } catch (...) {
+    // A peer failed or left while the segments were set up: the communicator's teardown would
+    // call on it (see ~Communicator). The members are freed without the destructor's checks.
+    ccl_.reset();
+    leave_behind(std::move(comm_), kvs_);
+    throw;
+  }
 }
 
 void unlink_own_fabric_segments() {
@@ -540,9 +579,9 @@ Communicator::~Communicator() {
     return !bounded([kvs = kvs_, rank = rank_] { return kvs_answers(*kvs, rank); }, {}, Inline::kNever)
                 .value_or(false);
   };
-  if (aborted() || (shm_ && shm_->any_peer_gone()) || peer_abandoned_an_op() || (rank_ != 0 && kvs_silent())) {
-    static auto* graveyard = new std::vector<std::pair<ccl::communicator, std::shared_ptr<ccl::kvs>>>();
-    graveyard->emplace_back(std::move(*comm_), kvs_);
+  if (g_creation_failed.load() || aborted() || (shm_ && shm_->any_peer_gone()) || peer_abandoned_an_op() ||
+      (rank_ != 0 && kvs_silent())) {
+    leave_behind(std::move(comm_), kvs_);
   }
   unlink_segments_of_dead_peers();
 }

@@ -296,6 +296,7 @@ def test_auto_workers_are_the_fewest_any_rank_would_take(monkeypatch):
     for theirs, count in (("1", "1"), ("2", "2"), ("0", None)):
         store = dist.HashStore()
         store.set("oneccl/defaults/workers/1", theirs)
+        store.set("oneccl/defaults/route/1", "192.0.2.2")  # the other host's address towards rank 0's
         env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2", "ONECCL_BIND_PT_WORKERS": "auto"}
         _env.apply_ccl_defaults(store, 0, 2, env, timeout=datetime.timedelta(seconds=5))
         assert store.get("oneccl/defaults/workers/0").decode() == "2"  # what this rank would take
@@ -313,6 +314,7 @@ def test_a_first_group_within_one_host_of_a_job_across_hosts_leaves_oneccl_ready
     store = dist.HashStore()
     store.set("oneccl/defaults/host/1", f"1 {host}")
     towards = "192.0.2.1"  # documentation's address: routed as another host's would be, never reached
+    store.set("oneccl/defaults/route/1", "")  # the other rank of this host: no route either
     env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4", "MASTER_ADDR": towards}
     _env.apply_ccl_defaults(store, 0, 2, env, timeout=datetime.timedelta(seconds=5))
     assert (env["CCL_LOCAL_RANK"], env["CCL_LOCAL_SIZE"]) == ("0", "2"), env
@@ -322,6 +324,20 @@ def test_a_first_group_within_one_host_of_a_job_across_hosts_leaves_oneccl_ready
     # oneCCL's own shared memory is set up at its first communicator from that one's ranks, and a
     # later communicator across hosts then hung in its creation (test_two_hosts.py): off here.
     assert env["CCL_ATL_SHM"] == "0", env
+
+
+def test_on_rank_0s_host_a_master_name_that_is_loopback_there_takes_the_interface_towards_the_others():
+    # Debian's /etc/hosts: rank 0's own host name is 127.0.1.1 there; the route towards it is lo,
+    # which the other host cannot reach. The other rank says where it reaches rank 0's host from.
+    store = dist.HashStore()
+    other = "192.0.2.7"  # documentation's address: routed as another host's would be, never reached
+    store.set("oneccl/defaults/route/1", other)
+    env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.1.1"}
+    _env.apply_ccl_defaults(store, 0, 2, env, timeout=datetime.timedelta(seconds=5))
+    assert store.get("oneccl/defaults/route/0").decode().startswith("127."), "this rank's route to itself is loopback"
+    expected = _env.interface_towards(other) or next(
+        name for _, name in socket.if_nameindex() if name != "lo" and _env._ipv4_of(name))
+    assert env.get("CCL_KVS_IFACE") == expected != "lo" and env.get("FI_TCP_IFACE") == expected, env
 
 
 @pytest.mark.parametrize("name", ["oneccl_bind_pt", "oneccl_bindings_for_pytorch", "torch_ccl"])

@@ -34,18 +34,31 @@ from ddp_reference import one_process_parameters
 SCRIPT = "tests/scripts/across_hosts.py"
 
 
-@pytest.fixture(scope="module")
-def two_hosts():
-    """Two network namespaces joined by a veth pair: 'hosts' of their own (scripts/netns.py)."""
+def _namespaces(names=False):
     require(os.geteuid() == 0, "network namespaces need root")
     why = apt_install(("iproute2",), ("ip",))
     require(not why, why)
     require(shutil.which("unshare"), "network namespaces need unshare (util-linux)")
     try:
-        with netns.hosts() as hosts:
+        with netns.hosts(names) as hosts:
             yield hosts
     except subprocess.CalledProcessError as e:
         require(False, f"cannot create network namespaces here: {' '.join(e.cmd)}: {e.stderr.strip()}")
+    except OSError as e:
+        require(False, f"cannot give network namespaces their /etc/hosts here: {e}")
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """Two network namespaces joined by a veth pair: 'hosts' of their own (scripts/netns.py)."""
+    yield from _namespaces()
+
+
+@pytest.fixture(scope="module")
+def two_named_hosts():
+    """As two_hosts, with host names resolved as Debian's and Ubuntu's /etc/hosts do: on each
+    host its own name is 127.0.1.1, a loopback address; the other host's is its address."""
+    yield from _namespaces(names=True)
 
 
 def _user_env():
@@ -173,6 +186,15 @@ def test_group_timeout_across_two_hosts_names_the_op(one_rank_on_each_of_two_hos
     assert 2.5 < waited < 15, waited
 
 
+# Rank 0's host name, which the other host resolves to its address, is 127.0.1.1 on rank 0's
+# host (Debian's /etc/hosts): the route there towards "rank 0's host" is lo, which the other host
+# cannot reach. Rank 0 must listen and send on the interface towards rank 1's host instead.
+def test_a_master_addr_that_is_a_loopback_address_on_its_own_host(two_named_hosts):
+    outs = _finish(_start(two_named_hosts, (1, 1), "world,ddp", env={"MASTER_ADDR": two_named_hosts.ns[0]}), 120)
+    _assert_world(outs, (1, 1))
+    _assert_checks_ok(outs, "ddp")
+
+
 # ---- three ranks (2 + 1), then a dead peer; six ranks (3 + 3) --------------------------
 
 
@@ -253,16 +275,21 @@ def test_six_ranks_on_two_hosts_3_plus_3(two_hosts):
 # ---- torchrun on each host: subgroups within a host ------------------------------------
 
 
-def _torchrun_on_hosts(hosts, port, nproc, script, timeout, args=()):
-    """One torchrun agent per network namespace; returns each host's output (all must exit 0)."""
+def _torchrun_on_hosts(hosts, port, nproc, script, timeout, args=(), master=None, host_env=None):
+    """One torchrun agent per network namespace, rank 0's host reached at `master` (by default
+    its address). With a master name, each agent gives its ranks its host's name as MASTER_ADDR
+    (no --local_addr), as torchrun does by default. host_env: {k: variables for host k's agent}.
+    Returns each host's output (all must exit 0)."""
     addr = hosts.addr
     procs = [
         popen(
             hosts.on(k, [BIN / "torchrun", "--nnodes", "2", "--nproc_per_node", str(nproc),
-                         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{addr[0]}:{port}", "--rdzv_id", "hosts",
-                         "--rdzv_conf", f"is_host={k == 0}", "--local_addr", addr[k], script, *args]),
+                         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{master or addr[0]}:{port}", "--rdzv_id", "hosts",
+                         "--rdzv_conf", f"is_host={k == 0}", *([] if master else ["--local_addr", addr[k]]),
+                         script, *args]),
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**_user_env(), "GLOO_SOCKET_IFNAME": hosts.dev[k]},  # for a gloo group beside ours
+            env={**_user_env(), "GLOO_SOCKET_IFNAME": hosts.dev[k],  # for a gloo group beside ours
+                 **(host_env or {}).get(k, {})},
         )
         for k in (0, 1)
     ]
@@ -276,10 +303,37 @@ def _torchrun_on_hosts(hosts, port, nproc, script, timeout, args=()):
 # comes after it (oneCCL reads its variables once, for the first group).
 @pytest.mark.parametrize("default", ["ccl", "gloo"], ids=["ccl-default", "gloo-default-host-groups-first"])
 def test_subgroup_on_one_host_takes_shared_memory_inside_a_two_host_world(two_hosts, default):
-    ns, dev = two_hosts.ns, two_hosts.dev
+    _check_host_subgroups(two_hosts, default)
+
+
+# torchrun's default MASTER_ADDR is rank 0's host name, which leads to lo on that host (Debian's
+# /etc/hosts). The first ccl group lies within a host: no rank of it knows an address on the
+# other host, so rank 0's host takes the default route's interface, else the first not loopback
+# (these namespaces have no default route).
+def test_host_groups_first_where_rank_0s_host_name_is_a_loopback_address_there(two_named_hosts):
+    _check_host_subgroups(two_named_hosts, "gloo", master=two_named_hosts.ns[0])
+
+
+# A user's setting sends one host's libfabric traffic over lo: the world's ccl group, made after
+# each host's, fails in oneCCL's first send. Every rank raises and exits. Before, a failed rank's
+# oneCCL key-value store waited for rank 0's answer for good as it was freed (a hang), and freeing
+# the host's group after the failure crashed the process at exit (SIGSEGV in oneCCL's teardown).
+@pytest.mark.parametrize("bad", [0, 1], ids=["on-rank-0s-host", "on-the-other-host"])
+def test_a_group_that_fails_in_oneccl_raises_on_every_rank_without_a_crash_or_hang(two_hosts, bad):
+    outs = _torchrun_on_hosts(two_hosts, free_port(), 2, "tests/scripts/host_subgroups.py", timeout=240,
+                              args=["gloo", "world-fails"], host_env={bad: {"FI_TCP_IFACE": "lo"}})
+    raised = re.findall(r"rank (\d) world group raised: (.*)", "".join(outs))
+    assert sorted(r for r, _ in raised) == ["0", "1", "2", "3"], outs
+    for rank, said in raised:
+        assert said.startswith(f"ccl: creating the oneCCL communicator (rank {rank} of 4)"), (rank, said)
+
+
+def _check_host_subgroups(hosts, default, master=None):
+    ns, dev = hosts.ns, hosts.dev
     port = free_port()
     sent_before = _tx_bytes(ns[0], dev[0])
-    outs = _torchrun_on_hosts(two_hosts, port, 2, "tests/scripts/host_subgroups.py", timeout=240, args=[default])
+    outs = _torchrun_on_hosts(hosts, port, 2, "tests/scripts/host_subgroups.py", timeout=240, args=[default],
+                              master=master)
     # Ranks share a pipe, so a line may run into the next rank's: match each value exactly
     # (\S+ here once swallowed "n/arank 1 ...", losing rank 1's line).
     lines = re.findall(r"rank (\d) world_path=(\w+) local_path=(\w+) ok=(True|False) any_source_refused=(yes|no|n/a|other)",

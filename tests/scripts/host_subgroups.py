@@ -3,7 +3,9 @@
 Prints one line per rank with the paths taken and whether every value was right.
 With the argument `gloo` the default group is gloo's, and the ccl groups are made after it,
 each host's first: the first ccl group of the process is then one host's, and the world's,
-made next, must still reach across hosts.
+made next, must still reach across hosts. With a second argument `world-fails` (a host given a
+network interface the other cannot reach) the world's ccl group must fail to be created: each
+rank prints what it raised and exits 0, freeing its host's group as the interpreter ends.
 """
 
 import socket
@@ -23,6 +25,13 @@ mine = [r for r in range(world) if hosts[r] == hosts[rank]]
 # new_subgroups_by_enumeration: every rank creates every group, in one order.
 local, _ = dist.new_subgroups_by_enumeration([[r for r in range(world) if hosts[r] == h]
                                               for h in dict.fromkeys(hosts)], backend="ccl")
+if sys.argv[2:] == ["world-fails"]:
+    try:
+        dist.new_group(backend="ccl")
+    except dist.DistBackendError as e:
+        print(f"rank {rank} world group raised: {str(e).splitlines()[0]}", flush=True)
+        sys.exit(0)
+    sys.exit(f"rank {rank}: the world's ccl group was created")
 everyone = dist.group.WORLD if default == "ccl" else dist.new_group(backend="ccl")
 
 

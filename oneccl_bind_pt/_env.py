@@ -343,9 +343,10 @@ def worker_plan(env: MutableMapping[str, str], *, local_rank: int, local_size: i
     than 2: a worker busy-polls while an op is under way, and so does the thread that waits
     for it; otherwise 1 worker, 2 from 3 spare cores. With a number, that many. They go on
     distinct physical cores (`core_of`: SMT siblings count as one), the last ones of the rank's
-    own: its block of the host's cores by local rank, or, when a launcher pinned it (`pinned`),
-    its own CPUs, taken further from the end for each local rank before it, so that ranks given
-    one shared set (a job-wide taskset) do not share workers' cores.
+    own: its block of the host's (or of a set the ranks share) cores by local rank, or, when a
+    launcher pinned it (`pinned`), its own CPUs, taken further from the end for each local rank
+    before it, so that ranks given one set that reads as pinned (ranks not one launcher's
+    children, so not seen sharing it) do not share workers' cores.
     """
     asked = _workers_asked(env)
     spare = cores - torch_threads

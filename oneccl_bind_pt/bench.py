@@ -112,6 +112,8 @@ COLUMNS = {
 }
 BACKENDS = list(COLUMNS)
 DEFAULT_BACKENDS = ["ccl", "pg", "oneccl", WORKERS, "gloo", "raw", "copy"]
+# Every group's, and the bound on each raw oneCCL call's wait.
+GROUP_TIMEOUT = datetime.timedelta(seconds=300)
 # What a `ccl:VAR=VALUE` column may set: the variables read when a group is created (each
 # group's own), so its group and `ccl`'s share processes and interleave point by point.
 # Where a host's performance drifts by 2-5x from one set of processes to the next (a 2-core
@@ -308,7 +310,7 @@ def _raw(group, op, inp, out, iters):
     from . import _C
 
     backend = group._get_backend(torch.device("cpu"))
-    return _C._time_raw_oneccl(backend, op, inp, out, iters)
+    return _C._time_raw_oneccl(backend, op, inp, out, iters, GROUP_TIMEOUT)
 
 
 @contextlib.contextmanager
@@ -627,7 +629,7 @@ def _set_rank(rank, world, store_path, args, pin, out):
     import oneccl_bind_pt  # noqa: F401
 
     dist.init_process_group("ccl", init_method=f"file://{store_path}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+                            timeout=GROUP_TIMEOUT)
     results = benchmark(args, rank, world)
     if rank == 0:
         with open(out, "w") as f:
@@ -690,7 +692,7 @@ def _spawned(rank, world, store_path, fn, args):
     import oneccl_bind_pt  # noqa: F401
 
     dist.init_process_group("ccl", init_method=f"file://{store_path}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+                            timeout=GROUP_TIMEOUT)
     fn(rank, world, args)
     dist.destroy_process_group()
 

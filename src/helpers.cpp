@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <dirent.h>
 #include <pthread.h>
 #include <xmmintrin.h>
 #include <sched.h>
@@ -16,10 +17,13 @@
 #include <climits>
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <system_error>
 #include <thread>
+#include <vector>
 
 namespace oneccl_bind_pt {
 
@@ -134,6 +138,78 @@ int oneccl_workers() {
   }
   const char* affinity = std::getenv("CCL_WORKER_AFFINITY");
   return (offload && *offload) || (affinity && *affinity) ? 1 : 0;
+}
+
+// This process's siblings (the launcher's other children: torchrun's or mp.spawn's
+// ranks, an MPI proxy's, a shell's), from /proc/PPID/task/*/children, else by a scan
+// of /proc. None where the parent is init or another namespace's (getppid() is 0).
+std::vector<pid_t> siblings() {
+  std::vector<pid_t> found;
+  const pid_t self = getpid(), parent = getppid();
+  if (parent <= 1) {
+    return found;
+  }
+  const std::string tasks = "/proc/" + std::to_string(parent) + "/task";
+  bool listed = false;
+  if (DIR* dir = opendir(tasks.c_str())) {
+    while (const dirent* e = readdir(dir)) {
+      std::ifstream children(tasks + "/" + e->d_name + "/children");
+      listed = listed || children.is_open();
+      for (long pid; children >> pid;) {
+        if (pid != self) {
+          found.push_back(static_cast<pid_t>(pid));
+        }
+      }
+    }
+    closedir(dir);
+  }
+  if (listed) {
+    return found;
+  }
+  // A kernel without CONFIG_PROC_CHILDREN: every process's parent, from /proc/PID/stat
+  // ("pid (comm) state ppid ...", comm may hold spaces and parentheses).
+  if (DIR* dir = opendir("/proc")) {
+    while (const dirent* e = readdir(dir)) {
+      char* end = nullptr;
+      const long pid = std::strtol(e->d_name, &end, 10);
+      if (*end || pid <= 0 || pid == self) {
+        continue;
+      }
+      std::ifstream f(std::string("/proc/") + e->d_name + "/stat");
+      std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      const size_t close = stat.rfind(')');
+      if (close == std::string::npos) {
+        continue;
+      }
+      std::istringstream rest(stat.substr(close + 1));
+      std::string state;
+      long ppid = 0;
+      if (rest >> state >> ppid && ppid == parent) {
+        found.push_back(static_cast<pid_t>(pid));
+      }
+    }
+    closedir(dir);
+  }
+  return found;
+}
+
+// How many siblings run on CPUs of this rank's set and on no other: other ranks given
+// the same set (a job-wide taskset or numactl around torchrun or mp.spawn, an MPI
+// launcher binding ranks per socket). A sibling with a wider set (mp.spawn's resource
+// tracker keeps the parent's) is not counted, nor one whose set is apart from it
+// (a launcher pinning each rank).
+int siblings_within(const cpu_set_t& mine) {
+  int within = 0;
+  for (const pid_t pid : siblings()) {
+    cpu_set_t theirs, both;
+    CPU_ZERO(&theirs);
+    if (sched_getaffinity(pid, sizeof theirs, &theirs) != 0) {
+      continue; // gone since
+    }
+    CPU_AND(&both, &theirs, &mine);
+    within += CPU_COUNT(&both) > 0 && CPU_EQUAL(&both, &theirs);
+  }
+  return within;
 }
 
 std::string of(int n, const char* what) {
@@ -330,12 +406,23 @@ RankCores rank_cores(int local) {
   const int cpus = sched_getaffinity(0, sizeof mask, &mask) == 0 ? CPU_COUNT(&mask) : online;
   const Container box = container();
   const int allowed = box.cpuset > 0 ? std::min(box.cpuset, online) : online;
-  // A set narrower than what the host or container allows is this rank's own (a
-  // launcher pinned it), unless it is too wide for every rank to have one like it.
-  r.pinned = cpus < allowed && static_cast<long>(cpus) * local <= allowed;
-  r.cores = r.pinned ? cpus : std::max(1, cpus / local);
-  r.crowded = !r.pinned && local > cpus;
-  r.why = r.pinned ? of(cpus, "CPU") + " in its affinity" : of(cpus, "CPU") + " / " + of(local, "rank") + " on this host";
+  // Ranks that share one set narrower than the host (a job-wide taskset or numactl, or
+  // an MPI launcher's binding per socket) divide it; the siblings tell them apart from
+  // ranks pinned each to a set of its own. At most this host's ranks share it (the
+  // siblings may include a process that is no rank).
+  const int sharing = cpus < allowed ? std::min(local, 1 + siblings_within(mask)) : 1;
+  if (sharing > 1) {
+    r.cores = std::max(1, cpus / sharing);
+    r.crowded = sharing > cpus;
+    r.why = of(cpus, "CPU") + " in its affinity / " + of(sharing, "rank") + " given the same CPUs";
+  } else {
+    // A set narrower than what the host or container allows is this rank's own (a
+    // launcher pinned it), unless it is too wide for every rank to have one like it.
+    r.pinned = cpus < allowed && static_cast<long>(cpus) * local <= allowed;
+    r.cores = r.pinned ? cpus : std::max(1, cpus / local);
+    r.crowded = !r.pinned && local > cpus;
+    r.why = r.pinned ? of(cpus, "CPU") + " in its affinity" : of(cpus, "CPU") + " / " + of(local, "rank") + " on this host";
+  }
   // A CPU quota is the container's, shared by all its ranks.
   if (box.quota > 0 && box.quota / local < r.cores) {
     r.cores = std::max(1, box.quota / local);

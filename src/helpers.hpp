@@ -5,7 +5,8 @@
 // at the first process group's creation, from ONECCL_BIND_PT_HELPERS or from
 // the cores this rank has: its CPU affinity if a launcher narrowed it below what
 // the host or container allows (and every local rank could have a set that
-// size), else those CPUs divided by the ranks on this host (CCL_LOCAL_SIZE),
+// size), divided among the ranks given the same set (a taskset or numactl around
+// the launcher), else those CPUs divided by the ranks on this host (CCL_LOCAL_SIZE),
 // and no more than a container's CPU quota divided the same way; less torch's
 // intra-op threads (at::get_num_threads(), which DDP's compute uses beside the
 // collectives) and oneCCL's worker threads, at most 6. So a host with no spare
@@ -28,6 +29,8 @@ struct HelperPlan {
 // (_env.py) start: its CPU affinity if a launcher narrowed it below what the host
 // or container allows (and each of `local_ranks` could have a set that size), else
 // those CPUs / local_ranks, and no more than a container's CPU quota / local_ranks.
+// A narrow set that sibling processes (the launcher's other children) have too is
+// shared: divided by them and this rank, at most local_ranks in all.
 struct RankCores {
   int cores = 1;
   bool pinned = false;  // the affinity is this rank's own

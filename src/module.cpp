@@ -151,8 +151,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("input"),
       py::arg("output"),
       py::arg("iters"),
+      py::arg("timeout"),
       py::call_guard<py::gil_scoped_release>(),
-      "Per-call seconds of oneCCL alone on pg's communicator (the benchmark's baseline).");
+      "Per-call seconds of oneCCL alone on pg's communicator (the benchmark's baseline); a call not "
+      "complete within `timeout` aborts the group and raises DistBackendError.");
   m.def(
       "_register_error_types",
       &register_error_types,

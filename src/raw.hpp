@@ -4,6 +4,7 @@
 
 #include "process_group_ccl.hpp"
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -14,11 +15,13 @@ namespace oneccl_bind_pt {
 // call: allreduce (in place on `input`), allgather and reduce_scatter
 // (`input` -> `output`), alltoall (equal splits), broadcast (root 0), and
 // sendrecv (a ping-pong between ranks 0 and 1; one iteration is a round trip).
+// A call not complete within `timeout` aborts the group and raises DistBackendError.
 std::vector<double> time_raw_oneccl(
     ProcessGroupCCL& pg,
     const std::string& op,
     const at::Tensor& input,
     const at::Tensor& output,
-    int iters);
+    int iters,
+    std::chrono::milliseconds timeout);
 
 } // namespace oneccl_bind_pt

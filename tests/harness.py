@@ -103,6 +103,19 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
         time.sleep(interval)
 
 
+def helper_threads() -> int:
+    """Inside a rank: how many of the backend's helper threads (src/helpers.cpp) it runs."""
+    import glob
+
+    names = []
+    for comm in glob.glob("/proc/self/task/*/comm"):
+        try:
+            names.append(open(comm).read().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return names.count("ccl-helper")
+
+
 def announce(name: str, store=None) -> None:
     """Inside a rank: tells the other ranks that `name` happened (through the group's store, or
     `store`: the default group's, taken before that group went away)."""

@@ -238,3 +238,44 @@ def test_help(command):
     proc = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT / "tests", capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stdout + proc.stderr
+
+
+def _raw_call_a_peer_never_makes(rank, world, op):
+    import datetime
+    import time
+
+    from oneccl_bind_pt import _C
+
+    store = dist.distributed_c10d._get_default_store()
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    t = torch.ones(1024)
+    if rank == 1:
+        store.wait(["raised"], datetime.timedelta(seconds=120))  # makes no call meanwhile
+        return None
+    start = time.monotonic()
+    try:
+        _C._time_raw_oneccl(backend, op, t, torch.zeros(1024), 3, datetime.timedelta(seconds=2))
+        said = None
+    except dist.DistBackendError as e:
+        said = str(e)
+    waited = time.monotonic() - start
+    # The group is aborted: the next op fails at once instead of meeting the call left in oneCCL.
+    try:
+        dist.all_reduce(t)
+        after = None
+    except dist.DistBackendError as e:
+        after = str(e)
+    store.set("raised", "1")
+    return said, waited, after
+
+
+@pytest.mark.parametrize("op", ["allreduce", "sendrecv"])
+def test_a_raw_oneccl_call_waits_at_most_its_timeout(op):
+    # The benchmark's raw column calls oneCCL directly; a rank whose peer never makes the call
+    # raises after the timeout it was given, instead of waiting for good (sendrecv: rank 0's
+    # send may complete alone, its recv cannot).
+    (said, waited, after), _ = run_ranks(_raw_call_a_peer_never_makes, 2, op, env=TRANSPORTS["oneccl"], timeout=180)
+    assert said is not None, "the call returned though rank 1 never made it"
+    assert f"raw oneCCL {op} on rank 0 of 2: call 1 of 3 did not complete within 2000 ms" in said, said
+    assert 2 <= waited < 30, waited
+    assert after is not None and "abort" in after, after

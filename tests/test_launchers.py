@@ -1,5 +1,6 @@
 """The examples, run the way users run them: torchrun, mpirun, mp.spawn."""
 
+import json
 import os
 import re
 import sys
@@ -126,3 +127,73 @@ def test_profiler_rows(launcher):
     assert sorted(rows["pg::allreduce"]) == [(10, "[[2, 2]]")] * 2 + [(10, "[[4, 4]]")] * 2, rows
     assert rows["pg::wait::allreduce::sz:4"] == [(10, "[]")] * 2, rows
     assert rows["pg::wait::allreduce::sz:16"] == [(10, "[]")] * 2, rows
+
+
+# ---- the cores a rank takes as its own ------------------------------------------------------
+# Helper threads and oneCCL's worker threads are sized from them (src/helpers.cpp, rank_cores).
+# Ranks given one CPU set between them (taskset or numactl around the launcher) divide it;
+# ranks pinned each to CPUs of their own (Intel MPI's default, a script pinning itself) keep
+# theirs. Read as each rank's own, a shared set gave every rank all of it: on a 2-socket host
+# under `numactl -C <socket 0> torchrun --nproc_per_node 2`, helpers beside each rank's compute
+# threads for twice the cores there are.
+
+AFFINITY = "tests/scripts/affinity.py"
+
+
+def _launch(launcher):
+    """(command, env) for tests/scripts/affinity.py's 2 ranks under `launcher`."""
+    if launcher == "torchrun":
+        return [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), AFFINITY], None
+    if launcher == "mpirun":
+        return [BIN / "mpirun", "-n", "2", sys.executable, AFFINITY], {"MASTER_PORT": str(free_port())}
+    return [sys.executable, AFFINITY, "--spawn", str(free_port())], None
+
+
+def _rank_reports(out):
+    # Ranks share stdout, so lines may run together: each report ends with its "sum_ok".
+    reports = sorted((json.loads(m) for m in re.findall(r'\{"rank".*?"sum_ok": (?:true|false)\}', out)),
+                     key=lambda r: r["rank"])
+    assert [r["rank"] for r in reports] == [0, 1], out
+    for r in reports:
+        assert r["sum_ok"], r
+        if "a CPU quota" in r["why"]:
+            pytest.skip(f"a container's CPU quota decides here: {r['why']}")
+        # The count follows the cores read (src/helpers.hpp), and that many threads run.
+        want = min(6, max(0, r["cores"] - max(1, r["torch_threads"])))
+        assert r["helpers"].startswith(f"helpers {want} ("), r
+        assert r["helper_threads"] == want, r
+    return reports
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "spawn"])
+def test_ranks_given_one_cpu_set_between_them_divide_it(launcher):
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("one CPU: no set narrower than the host's to give the job")
+    shared = mine[:len(mine) // 2]
+    cmd, env = _launch(launcher)
+    if launcher == "mpirun":
+        env["I_MPI_PIN"] = "0"  # Intel MPI would otherwise pin each rank to a part of the set
+    out = run(["taskset", "-c", ",".join(map(str, shared)), *cmd], env=env)
+    for r in _rank_reports(out):
+        assert r["cpus"] == shared, (r, shared)
+        assert (r["pinned"], r["cores"], r["crowded"]) == (False, max(1, len(shared) // 2), len(shared) < 2), r
+        assert r["why"] == f"{len(shared)} CPU{'s' * (len(shared) > 1)} in its affinity / 2 ranks given the same CPUs", r
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "spawn"])
+def test_ranks_pinned_each_to_a_cpu_of_their_own_keep_it(launcher):
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("one CPU: no two CPUs to pin the ranks to")
+    cmd, env = _launch(launcher)
+    if launcher == "mpirun":
+        env["I_MPI_PIN_PROCESSOR_LIST"] = f"{mine[0]},{mine[1]}"
+    else:
+        # Each rank pins itself; mp.spawn's resource tracker, a sibling of the ranks, keeps
+        # the wider set and must not count as a rank sharing theirs.
+        cmd.append("--own-cpu")
+    reports = _rank_reports(run(cmd, env=env))
+    assert sorted(r["cpus"][0] for r in reports) == mine[:2] and all(len(r["cpus"]) == 1 for r in reports), reports
+    for r in reports:
+        assert (r["pinned"], r["cores"], r["crowded"], r["why"]) == (True, 1, False, "1 CPU in its affinity"), r

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import TRANSPORTS, RankFailure, all_gather_single, expect_transport, run_ranks
+from harness import TRANSPORTS, RankFailure, all_gather_single, expect_transport, helper_threads, run_ranks
 from matrix import (FLOATS, MOVABLE, MOVEMENTS, REDUCE_OPS, REDUCIBLE, REDUCTIONS, accepted, cases, data,
                     expected_reduction, raw_data, reduce_op, run_all, same_bytes)
 
@@ -207,18 +207,6 @@ def test_an_unknown_kernel_or_copy_name_fails_the_group_with_its_name(var):
 # Sizes are above the 256 KiB split and the 2 MiB staging chunk, with odd tails, through the
 # staging buffers and through single copy; values are worked out from the inputs.
 
-def _helper_threads():
-    import glob
-
-    names = []
-    for comm in glob.glob("/proc/self/task/*/comm"):
-        try:
-            names.append(open(comm).read().strip())
-        except FileNotFoundError:  # a thread that ended meanwhile
-            pass
-    return names.count("ccl-helper")
-
-
 def _helper_split(rank, world, path, helpers):
     from oneccl_bind_pt import _C
 
@@ -280,7 +268,7 @@ def _helper_split(rank, world, path, helpers):
             w.wait()
         for i, s in enumerate(sizes):
             check(f"recv of {s} B from rank {peer}", got[i], raw_data(peer, torch.uint8, (s,), salt=s))
-    return problems, _helper_threads()
+    return problems, helper_threads()
 
 
 @pytest.mark.parametrize("path", ["shm", "cma"])
@@ -300,7 +288,7 @@ def _default_helpers(rank, world):
     t = torch.ones(4 << 20)
     dist.all_reduce(t)
     assert t[0].item() == t[-1].item() == world
-    return _C.helpers(), _helper_threads(), torch.get_num_threads(), os.environ.get("CCL_LOCAL_SIZE")
+    return _C.helpers(), helper_threads(), torch.get_num_threads(), os.environ.get("CCL_LOCAL_SIZE")
 
 
 def _expected_helpers(local, compute, affinity=None, workers=0):
@@ -309,7 +297,7 @@ def _expected_helpers(local, compute, affinity=None, workers=0):
     cpus = len(affinity or os.sched_getaffinity(0))
     pinned = cpus < os.cpu_count() and cpus * local <= os.cpu_count()
     mine = cpus if pinned else max(1, cpus // local)
-    return min(3, max(0, mine - max(1, compute) - workers))
+    return min(6, max(0, mine - max(1, compute) - workers))  # kMaxHelpers
 
 
 def test_default_helpers_leave_the_cores_compute_uses():

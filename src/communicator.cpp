@@ -182,22 +182,23 @@ constexpr const char* kKvsHint =
 // communicator crashed the process (SIGSEGV in atl_comm_id_storage::release, at exit).
 std::atomic<bool> g_creation_failed{false};
 
-// Creation threads left inside oneCCL (abandoned, not yet returned). At the process's exit
-// oneCCL's static objects are destroyed under them: one logging from inside a key-value
-// store wait then died of SIGSEGV in the logger's freed stream (measured, 1 exit in 4 of a
-// test's loop), or the exit hung. While any is left, the exit ends the process at once
-// with its status, before those destructors (Python's own finalization has run by then).
-std::atomic<int> g_creations_left_running{0};
+// Threads left inside oneCCL (a creation abandoned, a teardown that outlived its bound; not
+// yet returned). At the process's exit oneCCL's static objects are destroyed under them: one
+// logging from inside a key-value store wait then died of SIGSEGV in the logger's freed stream
+// (measured, 1 exit in 4 of a test's loop), or the exit hung. While any is left, the exit ends
+// the process at once with its status, before those destructors (Python's own finalization
+// has run by then).
+std::atomic<int> g_oneccl_left_running{0};
 
 void exit_before_oneccl_teardown(int status, void*) {
-  if (g_creations_left_running.load() > 0) {
+  if (g_oneccl_left_running.load() > 0) {
     std::fflush(nullptr);
     _exit(status);
   }
 }
 
-void leave_creation_running() {
-  g_creations_left_running.fetch_add(1);
+void leave_oneccl_running() {
+  g_oneccl_left_running.fetch_add(1);
   // Registered after oneCCL's statics were made (it is initialized by now), so it runs
   // before their destructors.
   static const bool registered = on_exit(exit_before_oneccl_teardown, nullptr) == 0;
@@ -216,6 +217,71 @@ void leave_behind(std::optional<ccl::communicator> comm, std::shared_ptr<ccl::kv
   static auto* graveyard = new std::vector<Left>();
   std::lock_guard<std::mutex> lock(*mutex);
   graveyard->push_back(Left{std::move(comm), std::move(kvs)});
+}
+
+// Frees a healthy group's communicator, then its key-value store, on a thread of its own, and
+// waits for that at most `limit`. The store's teardown has no time limit: on rank 0 it waits
+// until every other rank has let go of the store, then for the thread serving it (`server`,
+// 0 where not known) to answer. A rank that ended while one of its requests to that thread
+// was in flight kills it (measured: a peer's process exited while its teardown ran on another
+// of its threads; "Connection reset by peer" in the server, then rank 0 waited for good).
+// Past the limit, or once the server is gone, the teardown is left to run (or not) on its own.
+void tear_down(std::optional<ccl::communicator> comm, std::shared_ptr<ccl::kvs> kvs, pid_t server,
+               std::chrono::milliseconds limit) {
+  struct Teardown {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+    bool left = false;
+    std::optional<ccl::communicator> comm;
+    std::shared_ptr<ccl::kvs> kvs;
+  };
+  auto t = std::make_shared<Teardown>();
+  t->comm = std::move(comm);
+  t->kvs = std::move(kvs);
+  const auto run = [t] {
+    t->comm.reset();
+    t->kvs.reset();
+    std::lock_guard<std::mutex> lock(t->mutex);
+    t->done = true;
+    if (t->left) {
+      g_oneccl_left_running.fetch_sub(1);
+    }
+    t->cv.notify_all();
+  };
+  std::thread worker;
+  try {
+    worker = std::thread([run] {
+      pthread_setname_np(pthread_self(), "ccl-teardown");
+      run();
+    });
+  } catch (const std::system_error&) {
+    run(); // no thread to be had: unbounded, as oneCCL's own teardown is
+    return;
+  }
+  const auto serving = [server] {
+    return server == 0 || access(("/proc/self/task/" + std::to_string(server)).c_str(), F_OK) == 0;
+  };
+  using Clock = std::chrono::steady_clock;
+  const auto until = Clock::now() + limit;
+  std::optional<Clock::time_point> gone; // the server ends on its own once it has answered
+  std::unique_lock<std::mutex> lock(t->mutex);
+  while (!t->done) {
+    const auto now = Clock::now();
+    if (!gone && !serving()) {
+      gone = now;
+    }
+    if (now >= until || (gone && now - *gone > std::chrono::milliseconds(200))) {
+      t->left = true;
+      leave_oneccl_running();
+      lock.unlock();
+      worker.detach();
+      return;
+    }
+    t->cv.wait_for(lock, std::chrono::milliseconds(10));
+  }
+  lock.unlock();
+  worker.join();
 }
 
 struct Created {
@@ -263,7 +329,7 @@ Created create_communicator(
         c->attached = true;
         if (c->abandoned) {
           new std::shared_ptr<ccl::kvs>(kvs); // as below: its teardown would call on a store gone
-          g_creations_left_running.fetch_sub(1);
+          g_oneccl_left_running.fetch_sub(1);
           return;
         }
       }
@@ -284,7 +350,7 @@ Created create_communicator(
       // Its peers are gone or failed: tearing it down would call on them (the teardown
       // that aborts the process, see kvs_answers), and so would the key-value store's.
       leave_behind(std::move(comm), std::move(kvs));
-      g_creations_left_running.fetch_sub(1);
+      g_oneccl_left_running.fetch_sub(1);
     } else {
       c->comm = std::move(comm);
       c->kvs = std::move(kvs);
@@ -344,7 +410,7 @@ Created create_communicator(
     if (!failed.empty() || late) {
       c->abandoned = true;
       g_creation_failed.store(true); // its thread may still be inside oneCCL
-      leave_creation_running();
+      leave_oneccl_running();
       const bool attached = c->attached;
       lock.unlock();
       if (!failed.empty()) {
@@ -413,6 +479,9 @@ Communicator::Communicator(
     throw;
   }
   Created& created = *made;
+  if (created.kvs == met.kvs) {
+    kvs_server_ = met.kvs_server; // rank 0's, which it serves
+  }
   kvs_ = std::move(created.kvs);
   comm_.emplace(std::move(created.comm));
   ccl_ = std::make_unique<CclTransport>(*comm_, [this] { return broken() ? broken_reason() : std::string(); });
@@ -608,6 +677,10 @@ Communicator::~Communicator() {
   if (g_creation_failed.load() || aborted() || (shm_ && shm_->any_peer_gone()) || peer_abandoned_an_op() ||
       (rank_ != 0 && kvs_silent())) {
     leave_behind(std::move(comm_), kvs_);
+  } else {
+    shm_.reset(); // ours, which use the communicator
+    ccl_.reset();
+    tear_down(std::move(comm_), std::move(kvs_), kvs_server_, timeout_);
   }
   unlink_segments_of_dead_peers();
 }

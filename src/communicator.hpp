@@ -22,6 +22,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <sys/types.h>
+
 namespace oneccl_bind_pt {
 
 class Shm;
@@ -153,6 +155,7 @@ class Communicator {
   int size_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<ccl::kvs> kvs_;
+  pid_t kvs_server_ = 0; // rank 0: the thread serving kvs_ (0: not known)
   std::vector<int> host_peers_; // pids of the group's other ranks on this host, not yet swept
   std::optional<ccl::communicator> comm_;
   std::unique_ptr<CclTransport> ccl_; // after comm_, which it refers to

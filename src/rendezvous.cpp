@@ -210,6 +210,19 @@ void NewTcpSockets::no_delay() {
   });
 }
 
+std::set<pid_t> thread_ids() {
+  std::set<pid_t> ids;
+  if (DIR* dir = opendir("/proc/self/task")) {
+    while (const dirent* entry = readdir(dir)) {
+      if (const pid_t id = static_cast<pid_t>(std::atoi(entry->d_name)); id > 0) {
+        ids.insert(id);
+      }
+    }
+    closedir(dir);
+  }
+  return ids;
+}
+
 Rendezvous rendezvous(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
@@ -220,9 +233,19 @@ Rendezvous rendezvous(
   const std::string& settings = oneccl_settings(); // before rank 0 opens its key-value store
   NewTcpSockets opened;
   std::shared_ptr<ccl::kvs> kvs;
+  pid_t kvs_server = 0;
   try {
     if (rank == 0) {
+      // oneCCL serves the store on a thread it starts here: known by its id, its death (a
+      // client that vanished mid-request kills it) shows at teardown (see ~Communicator).
+      const auto before = thread_ids();
       kvs = ccl::create_main_kvs();
+      std::vector<pid_t> started;
+      const auto after = thread_ids();
+      std::set_difference(after.begin(), after.end(), before.begin(), before.end(), std::back_inserter(started));
+      if (started.size() == 1) { // else another thread started meanwhile: not known
+        kvs_server = started[0];
+      }
       opened.no_delay(); // before the others can connect: what its listener accepts inherits it
       auto address = kvs->get_address();
       store->set(kAddressKey, std::vector<uint8_t>(address.begin(), address.end()));
@@ -295,7 +318,7 @@ Rendezvous rendezvous(
     host_peers.push_back(std::stoi(std::string(bytes.begin(), bytes.end())));
   }
 
-  Rendezvous met{std::move(opened), std::move(kvs), {}, std::move(host_peers)};
+  Rendezvous met{std::move(opened), std::move(kvs), kvs_server, {}, std::move(host_peers)};
   if (rank != 0) {
     const auto& bytes = marked[1];
     if (bytes.size() != met.address.size()) {

@@ -53,11 +53,15 @@ class NewTcpSockets {
 struct Rendezvous {
   NewTcpSockets opened;                 // from before rank 0 opened the group's KVS
   std::shared_ptr<ccl::kvs> kvs;        // rank 0: the group's oneCCL KVS, which it serves
+  pid_t kvs_server = 0;                 // rank 0: the thread serving it (0: not known)
   ccl::kvs::address_type address{};     // the other ranks: where rank 0 serves it
   // The pids of the group's other ranks on this host (`host`): read now, for
   // cleaning up after them if they die, since the store may die with rank 0.
   std::vector<int> host_peers;
 };
+
+// This process's thread ids (/proc/self/task).
+std::set<pid_t> thread_ids();
 
 // Returns once every rank of the group has arrived; throws DistBackendError
 // naming the missing ranks on timeout, or the rank that announced a failure. `host` names this rank's host.

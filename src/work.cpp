@@ -278,15 +278,14 @@ void WorkCCL::complete() {
   }
   c10::intrusive_ptr<c10::ivalue::Future> future;
   {
-    std::lock_guard<std::mutex> lock(future_mutex_);
+    std::lock_guard<std::mutex> lock(sync_->mutex);
     done_.store(true, std::memory_order_release);
     future = future_;
   }
   if (future) {
     // Created before completion, so getFuture() counted it as watched.
     Progress::get().unwatch_future();
-    auto self = c10::intrusive_ptr<WorkCCL>::reclaim_copy(this);
-    Callbacks::get().post(lane_, [self, future, error, value = future_value()]() mutable {
+    Callbacks::get().post(lane_, [sync = sync_, future, error, value = future_value()]() mutable {
       try {
         if (error) {
           future->setError(error);
@@ -297,10 +296,10 @@ void WorkCCL::complete() {
         // Completed already by its holder (set_result()): nothing more to do to it.
       }
       {
-        std::lock_guard<std::mutex> lock(self->future_mutex_);
-        self->future_settled_ = true;
+        std::lock_guard<std::mutex> lock(sync->mutex);
+        sync->settled = true;
       }
-      self->future_cv_.notify_all();
+      sync->cv.notify_all();
     });
   }
   if (in_completing_) {
@@ -319,12 +318,12 @@ void WorkCCL::wait_for_future(Clock::time_point limit) {
     // forked child: the parent's queued completions are not here to run.
     return;
   }
-  std::unique_lock<std::mutex> lock(future_mutex_);
-  if (!future_ || future_settled_) {
+  std::unique_lock<std::mutex> lock(sync_->mutex);
+  if (!future_ || sync_->settled) {
     return;
   }
   const auto started = Clock::now();
-  if (!future_cv_.wait_until(lock, std::min(limit, started + timeout_), [&] { return future_settled_; })) {
+  if (!sync_->cv.wait_until(lock, std::min(limit, started + timeout_), [&] { return sync_->settled; })) {
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started);
     C10_THROW_ERROR(DistBackendError,
                     "ccl " + describe() + ": the op completed, but its Future's then() callbacks did not finish "
@@ -391,7 +390,7 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkCCL::getFuture() {
   bool created_pending = false;
   c10::intrusive_ptr<c10::ivalue::Future> future;
   {
-    std::lock_guard<std::mutex> lock(future_mutex_);
+    std::lock_guard<std::mutex> lock(sync_->mutex);
     if (!future_) {
       auto list = c10::ListType::create(c10::TensorType::get());
       future_ = c10::make_intrusive<c10::ivalue::Future>(
@@ -404,10 +403,10 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkCCL::getFuture() {
   }
   const auto settled = [&] {
     {
-      std::lock_guard<std::mutex> lock(future_mutex_);
-      future_settled_ = true;
+      std::lock_guard<std::mutex> lock(sync_->mutex);
+      sync_->settled = true;
     }
-    future_cv_.notify_all();
+    sync_->cv.notify_all();
   };
   if (comm_->inherited()) {
     // The parent's op in a forked child: nothing here moves it, nor runs the completion the
@@ -534,6 +533,7 @@ bool Progress::sweep() {
           earlier.push_back(key);
           w.in_completing_ = true;
         }
+        releasing_.fetch_add(1, std::memory_order_acq_rel); // before it leaves inflight_: never unseen
         finished.push_back(std::move(inflight_[i]));
         inflight_.erase(inflight_.begin() + static_cast<std::ptrdiff_t>(i));
       } else {
@@ -551,7 +551,11 @@ bool Progress::sweep() {
   for (auto& work : finished) {
     work->complete();
   }
-  return moved || !finished.empty();
+  const bool any = !finished.empty();
+  const auto held = static_cast<int>(finished.size());
+  finished.clear();
+  releasing_.fetch_sub(held, std::memory_order_acq_rel);
+  return moved || any;
 }
 
 void Progress::posted(const Communicator* comm, Callbacks::Lane lane) {

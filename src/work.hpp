@@ -127,12 +127,19 @@ class WorkCCL : public c10d::Work {
   bool in_completing_ = false; // its key is in Progress::completing_ until complete() posted
   std::shared_ptr<std::atomic<int>> job_ops_; // issued inside a callback: that job's count of ops in flight
   void done_in_job();
-  std::mutex future_mutex_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_; // made on first getFuture()
-  // Under future_mutex_: the Future is completed and its callbacks have run. wait() waits for
-  // it, as gloo's does (it completes the Future, running its callbacks, before the Work).
-  bool future_settled_ = false;
-  std::condition_variable future_cv_;
+  // Shared with the completion job, which holds this and not the Work: a job that held the
+  // Work could hold its group's last reference, and tear the group down on a callback thread
+  // after destroy_process_group() returned, while the process exits under it (measured: the
+  // peer's key-value store server died of the reset connection).
+  struct FutureSync {
+    std::mutex mutex;
+    // Under mutex: the Future is completed and its callbacks have run. wait() waits for it,
+    // as gloo's does (it completes the Future, running its callbacks, before the Work).
+    bool settled = false;
+    std::condition_variable cv;
+  };
+  const std::shared_ptr<FutureSync> sync_ = std::make_shared<FutureSync>();
+  c10::intrusive_ptr<c10::ivalue::Future> future_; // made on first getFuture(), under sync_->mutex
   // wait()'s second half: the Future, if one was handed out (bounded by `limit`).
   void wait_for_future(Clock::time_point limit);
 };
@@ -166,6 +173,9 @@ class Progress {
   // One pass over every in-flight Work; completes the ones that finished. Returns whether
   // anything moved: a Work finished, or a transport moved one on (or cannot tell).
   bool sweep();
+  // Works a sweep() took out of flight and still holds (completing them, then letting go):
+  // the last reference to one, and so to its group, may go on that sweep's thread.
+  int releasing() const { return releasing_.load(std::memory_order_acquire); }
   // Progresses until no Work of `comm` is in flight (true), or until
   // `deadline` (false).
   bool drain(const Communicator& comm, Clock::time_point deadline);
@@ -193,6 +203,7 @@ class Progress {
   std::vector<c10::intrusive_ptr<WorkCCL>> abandoned_;
   std::thread background_;
   std::atomic<int> watched_{0};
+  std::atomic<int> releasing_{0};
   // Futures handed out so far (under mutex_): the background thread's pause after a sweep is
   // skipped when one came during the sweep, whose notify found nobody waiting.
   uint64_t futures_seen_ = 0;

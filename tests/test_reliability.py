@@ -12,13 +12,14 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from harness import (TRANSPORTS, all_gather_single, communicate, expect_transport, popen, reduce_scatter_single,
-                     run_ranks)
+from harness import (TRANSPORTS, all_gather_single, announce, await_announcement, communicate, expect_transport, popen,
+                     reduce_scatter_single, run_ranks)
 from test_launchers import BIN, ROOT, free_port
 
 
@@ -115,6 +116,87 @@ def _destroy_with_work_in_flight(rank, world):
 
 def test_destroy_with_work_in_flight_then_start_again(tmp_path):
     assert all(run_ranks(_destroy_with_work_in_flight, 2, env={"SECOND_STORE": str(tmp_path / "second")}))
+
+
+def _own_group(name):
+    """A group of its own, on a store whose keys the test can read, and where rank 0 serves the
+    group's oneCCL key-value store (host, port)."""
+    import datetime
+
+    store = dist.PrefixStore(name + "/", dist.distributed_c10d._get_default_store())
+    pg = dist.ProcessGroupCCL(store, dist.get_rank(), dist.get_world_size(), datetime.timedelta(seconds=60))
+    host, port = store.get("oneccl/kvs_address").rstrip(b"\0").decode().rsplit("_", 1)
+    return pg, (host, int(port))
+
+
+def _store_server_killed(rank, world):
+    import gc
+    import socket
+    import struct
+    import time
+
+    pg, kvs = _own_group("killed_server")
+    t = torch.ones(4)
+    pg.allreduce([t]).wait()
+    if rank == 1:
+        # What a peer that ends with a request in flight does to rank 0's oneCCL key-value
+        # store (its process exits, or is killed, in the middle): the connection is reset.
+        with socket.create_connection(kvs, timeout=10) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    dist.barrier()  # (the default group: another store)
+    start = time.monotonic()
+    pg.shutdown()
+    del pg
+    gc.collect()
+    return time.monotonic() - start
+
+
+# Rank 0 serves the group's oneCCL key-value store on a thread of oneCCL's, which dies when a
+# client's connection is reset under it; the store's teardown then waited for its answer for
+# good (seen: a peer whose process exited while its group's teardown ran on another thread).
+def test_destroy_returns_when_the_key_value_store_server_died():
+    took = run_ranks(_store_server_killed, 2, timeout=150)
+    assert took[0] < 20, took  # well inside the group's 60 s: the dead server is seen, not waited out
+    assert took[1] < 40, took  # its check that rank 0's store answers gives up (5 s), then it leaves
+
+
+class _SlowToFree:
+    def __del__(self):
+        time.sleep(0.5)
+
+
+def _callback_holds_the_last_works(rank, world):
+    import gc
+    import socket
+
+    pg, kvs = _own_group("held_by_callback")
+    # The callback's closure refers to Works of the group (as a user's may): c10d frees it on
+    # the thread that ran it (ours) once it has run, after the Future's waiter was woken, and
+    # here slowly (the list frees its items last to first).
+    held = [pg.allreduce([torch.ones(4)]), _SlowToFree()]
+    if rank == 1:
+        await_announcement("chained")  # rank 0's op is in flight when it chains: its callback runs on our thread
+    fut = pg.allreduce([torch.ones(4)]).get_future().then(lambda f, held=held: len(held))
+    if rank == 0:
+        announce("chained")
+    del held
+    assert fut.wait() == 2
+    pg.shutdown()  # destroy_process_group()'s call
+    del pg, fut
+    gc.collect()
+    if rank != 0:
+        return None
+    # Torn down with the caller's last reference, not later on the callback thread (the process
+    # could exit under it): rank 0's key-value store no longer listens.
+    try:
+        socket.create_connection(kvs, timeout=10).close()
+    except ConnectionRefusedError:
+        return "closed"
+    return "still listening"
+
+
+def test_destroy_tears_the_group_down_on_its_own_thread_while_a_callback_lets_go():
+    assert run_ranks(_callback_holds_the_last_works, 2, timeout=120)[0] == "closed"
 
 
 def test_a_child_forked_with_ops_in_flight_exits_and_the_group_works_on(transport):

@@ -24,9 +24,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allreduce(
   }
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
   auto red = resolve_reduction(op, opts.reduceOp, t.scalar_type());
-  red->scale_inplace(t);
   const int size = getSize();
   Call call{kAllreduce, pick_timeout(opts.timeout, timeout_), {t}, {t}};
+  if (red->premul) {
+    call.prepare = [red, t]() mutable { red->scale_inplace(t); };
+  }
   if (red->needs_finish()) {
     call.on_success = [red, t, size]() mutable { red->finish(t, size); };
   }
@@ -104,10 +106,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allreduce_coalesced(
   }
   auto red = resolve_reduction(op, opts.reduceOp, tensors[0].scalar_type());
   // One call on a flat copy: one latency instead of one per tensor.
-  at::Tensor flat = flatten_copy(tensors);
-  red->scale_inplace(flat);
+  at::Tensor flat = flat_like(tensors);
   const int size = getSize();
   Call call{kAllreduceCoalesced, pick_timeout(opts.timeout, timeout_), tensors, tensors, {flat}};
+  call.prepare = [red, flat, ins = tensors]() mutable {
+    flatten_into(ins, flat);
+    red->scale_inplace(flat);
+  };
   call.on_success = [red, flat, outs = tensors, size]() mutable {
     red->finish(flat, size);
     unflatten_into(flat, outs);
@@ -128,13 +133,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce(
   const int size = getSize();
   // Non-roots keep their input intact: oneCCL writes partial sums into the
   // receive buffer of every rank, so they reduce from and into scratch.
-  at::Tensor src = t;
-  if (!is_root && (red->premul || red->allreduce_only())) {
-    src = t.clone();
-  }
-  red->scale_inplace(src);
+  const bool copy = !is_root && (red->premul || red->allreduce_only());
+  at::Tensor src = copy ? at::empty_like(t) : t;
   at::Tensor dst = is_root ? t : (red->allreduce_only() ? src : at::empty_like(t));
   Call call{kReduce, pick_timeout(opts.timeout, timeout_), {t}, {t}, {src, dst}};
+  call.writes_outputs = is_root;
+  if (copy || red->premul) {
+    call.prepare = [red, t, src, copy]() mutable {
+      if (copy) {
+        src.copy_(t);
+      }
+      red->scale_inplace(src);
+    };
+  }
   if (is_root && red->needs_finish()) {
     call.on_success = [red, t, size]() mutable { red->finish(t, size); };
   }
@@ -163,17 +174,25 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter_tensor_coalesced(
   const char* op = info.name;
   std::vector<std::shared_ptr<const Reduction>> reds;
   std::vector<at::Tensor> sends;
+  bool copies = false;
   for (const auto& in : inputs) {
     auto red = resolve_reduction(op, opts.reduceOp, in.scalar_type());
-    at::Tensor send = in;
-    if (red->premul || red->allreduce_only()) {
-      send = in.clone(); // the caller's input stays untouched
-      red->scale_inplace(send);
-    }
-    sends.push_back(send);
+    const bool copy = red->premul || red->allreduce_only(); // the caller's input stays untouched
+    sends.push_back(copy ? at::empty_like(in) : in);
+    copies = copies || copy;
     reds.push_back(std::move(red));
   }
   Call call{info, pick_timeout(opts.timeout, timeout_), inputs, outputs, sends};
+  if (copies) {
+    call.prepare = [reds, sends, ins = inputs]() mutable {
+      for (size_t i = 0; i < ins.size(); ++i) {
+        if (!sends[i].is_same(ins[i])) {
+          sends[i].copy_(ins[i]);
+          reds[i]->scale_inplace(sends[i]);
+        }
+      }
+    };
+  }
   for (size_t i = 0; i < outputs.size(); ++i) {
     call.prims.push_back(
         reds[i]->allreduce_only()
@@ -211,8 +230,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter(
   CCL_CHECK_ARG(
       inputs[0][rank].numel() == out.numel(), "ccl ", op, ": output has ", out.numel(),
       " elements but input_list[", rank, "] (this rank's share) has ", inputs[0][rank].numel());
-  at::Tensor flat = flatten_copy(inputs[0]);
-  red->scale_inplace(flat);
+  at::Tensor flat = flat_like(inputs[0]);
   // Uneven shares have no oneCCL primitive: reduce everything, keep ours.
   const bool via_allreduce = red->allreduce_only() || !even;
   int64_t offset = 0;
@@ -220,6 +238,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter(
     offset += inputs[0][r].numel();
   }
   Call call{kReduceScatter, pick_timeout(opts.timeout, timeout_), inputs[0], {out}, {flat}};
+  call.prepare = [red, flat, ins = inputs[0]]() mutable {
+    flatten_into(ins, flat);
+    red->scale_inplace(flat);
+  };
   call.on_success = [red, flat, out, size, offset, via_allreduce]() mutable {
     if (via_allreduce) {
       out.view({-1}).copy_(flat.narrow(0, offset, out.numel()));
@@ -242,6 +264,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::broadcast(
   check_rank(op, "root rank", opts.rootRank, getSize());
   const int root = static_cast<int>(opts.rootRank);
   Call call{kBroadcast, pick_timeout(opts.timeout, timeout_), {t}, {t}};
+  call.writes_outputs = root != getRank();
   call.prims.push_back(bytes(K::Broadcast, ptr(t), ptr(t), nbytes(t), root));
   return run(std::move(call));
 }
@@ -305,9 +328,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allgather_coalesced(
     flat_outputs.insert(flat_outputs.end(), list.begin(), list.end());
   }
   // One call for all inputs: pack them, gather, unpack per rank.
-  at::Tensor send = pack_bytes(inputs, inputs[0].options());
+  at::Tensor send = bytes_like(inputs, inputs[0].options());
   at::Tensor recv = at::empty({send.numel() * size}, send.options());
   Call call{kAllgatherCoalesced, pick_timeout(opts.timeout, timeout_), inputs, flat_outputs, {send, recv}};
+  call.prepare = [send, ins = inputs]() mutable { pack_into(ins, send); };
   call.on_success = [recv, outs = flat_outputs]() mutable { unpack_bytes(recv, outs); };
   call.nested_outputs = output_lists;
   Prim p = bytes(K::Allgatherv, ptr(send), ptr(recv), nbytes(send));
@@ -405,8 +429,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::scatter(
   auto send_counts = ins.empty() ? std::vector<size_t>(size, 0) : byte_counts(ins);
   std::vector<size_t> recv_counts(size, 0);
   recv_counts[root] = nbytes(out);
-  at::Tensor flat = pack_bytes(ins, out.options());
+  at::Tensor flat = bytes_like(ins, out.options());
   Call call{kScatter, pick_timeout(opts.timeout, timeout_), ins, {out}, {flat}};
+  if (!ins.empty()) {
+    call.prepare = [flat, ins]() mutable { pack_into(ins, flat); };
+  }
   call.prims.push_back(alltoallv(ptr(flat), std::move(send_counts), ptr(out), std::move(recv_counts)));
   return run(std::move(call));
 }
@@ -468,9 +495,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::alltoall(
   check_list(op, outputs, inputs[0], size, "output_tensor_list");
   auto send_counts = byte_counts(inputs);
   auto recv_counts = byte_counts(outputs);
-  at::Tensor send = pack_bytes(inputs, inputs[0].options());
+  at::Tensor send = bytes_like(inputs, inputs[0].options());
   at::Tensor recv = at::empty({static_cast<int64_t>(total(recv_counts))}, send.options());
   Call call{kAlltoall, pick_timeout(opts.timeout, timeout_), inputs, outputs, {send, recv}};
+  call.prepare = [send, ins = inputs]() mutable { pack_into(ins, send); };
   call.on_success = [recv, outs = outputs]() mutable { unpack_bytes(recv, outs); };
   call.prims.push_back(alltoallv(ptr(send), std::move(send_counts), ptr(recv), std::move(recv_counts)));
   return run(std::move(call));

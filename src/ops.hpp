@@ -91,7 +91,13 @@ struct ProcessGroupCCL::Call {
   std::vector<at::Tensor> inputs; // shown to the profiler
   std::vector<at::Tensor> outputs; // Work::result() and the Future's value
   std::vector<at::Tensor> buffers = {}; // scratch memory the transport uses
+  // Pre-processing that reads or writes the caller's tensors (packing a list, PREMUL_SUM's
+  // scaling): run() runs it once the ops before this one on the same memory completed.
+  std::function<void()> prepare = nullptr;
   std::function<void()> on_success = nullptr;
+  // Whether the op writes `outputs` (not a send's, a broadcast root's, a reduce's
+  // non-root's): what later ops on them wait for (Progress::must_defer_locked).
+  bool writes_outputs = true;
   std::vector<std::vector<at::Tensor>> nested_outputs = {}; // see WorkCCL::nested_outputs
   std::vector<Prim> prims = {}; // the communication, for the transport
 };

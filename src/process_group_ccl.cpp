@@ -67,7 +67,8 @@ void ProcessGroupCCL::abort() {
   }
   const AbortInProgress in_progress; // the interpreter's exit waits for it (settle_aborts)
   // A drain with no time to wait: whether this group has ops in flight.
-  const bool ops_in_flight = !Progress::get().drain(*comm_, Clock::now());
+  // (Not starting ops that waited for earlier ones: they fail with the group.)
+  const bool ops_in_flight = !Progress::get().drain(*comm_, Clock::now(), /*start=*/false);
   comm_->abort(ops_in_flight);
   Progress::get().sweep(); // fails the ops nobody is waiting on too
 }
@@ -216,6 +217,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::run(Call&& call) {
                                           ": this process group is unusable after an earlier failure: " +
                                           comm_->broken_reason());
   }
+  auto& progress = Progress::get();
+  // Ops on the same memory take effect in issue order, as on one CUDA stream: oneCCL runs the
+  // ops in flight together, and pre- and post-processing (packing, PREMUL_SUM's scaling,
+  // AVG's division) run beside the transport. So an op whose memory an earlier one in flight
+  // shares is deferred (Progress starts it once that one completed, and every later op of the
+  // group behind it); ops on other memory overlap as before.
+  MemoryUse use;
+  use.read(call.inputs);
+  if (call.writes_outputs) {
+    use.write(call.outputs);
+  }
+  use.p2p = call.op.type == OpType::SEND || call.op.type == OpType::RECV || call.op.type == OpType::RECVANYSOURCE;
   auto work = c10::make_intrusive<WorkCCL>(
       call.op, comm_, call.inputs, std::move(call.outputs), call.timeout);
   seq_.fetch_add(1, std::memory_order_relaxed);
@@ -223,7 +236,40 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::run(Call&& call) {
   work->buffers.insert(work->buffers.end(), call.inputs.begin(), call.inputs.end());
   work->on_success = std::move(call.on_success);
   work->nested_outputs = std::move(call.nested_outputs);
+  work->memory = std::move(use);
+  Block* block = nullptr; // a coalescing block's ops run together (NCCL's group): no waits among them
+  if (coalescers_.load(std::memory_order_acquire) > 0) { // every op reads this: no lock when nobody coalesces
+    std::lock_guard<std::mutex> lock(coalesce_mutex_);
+    if (const auto it = coalescing_.find(std::this_thread::get_id()); it != coalescing_.end()) {
+      block = &it->second; // this thread's until its endCoalescing
+      work->block_ = block->id;
+    }
+  }
+  bool deferred = false;
+  {
+    std::lock_guard<std::mutex> lock(progress.ccl_mutex());
+    deferred = progress.must_defer_locked(*comm_, work->memory, work->block_);
+    if (deferred) {
+      work->prepare = std::move(call.prepare);
+      work->deferred_prims = std::move(call.prims);
+      progress.defer(work);
+    }
+  }
+  if (!deferred) {
+    start_now(work, call);
+  }
+  if (block) {
+    std::lock_guard<std::mutex> lock(coalesce_mutex_);
+    block->works.push_back(work);
+  }
+  return work;
+}
+
+void ProcessGroupCCL::start_now(const c10::intrusive_ptr<WorkCCL>& work, Call& call) {
   auto& progress = Progress::get();
+  if (call.prepare) {
+    call.prepare();
+  }
   bool finished = false;
   {
     std::lock_guard<std::mutex> lock(progress.ccl_mutex());
@@ -240,20 +286,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::run(Call&& call) {
   if (finished) {
     work->complete();
   }
-  if (coalescers_.load(std::memory_order_acquire) > 0) { // every op reads this: no lock when nobody coalesces
-    std::lock_guard<std::mutex> lock(coalesce_mutex_);
-    if (const auto it = coalescing_.find(std::this_thread::get_id()); it != coalescing_.end()) {
-      it->second.push_back(work);
-    }
-  }
-  return work;
 }
 
 void ProcessGroupCCL::startCoalescing() {
   std::lock_guard<std::mutex> lock(coalesce_mutex_);
   // A block an op raised in (a refused tensor in batch_isend_irecv) never reached its
   // endCoalescing: its ops were issued one by one and stand on their own; start afresh.
-  coalescing_[std::this_thread::get_id()].clear();
+  static std::atomic<uint64_t> blocks{0};
+  coalescing_[std::this_thread::get_id()] = Block{blocks.fetch_add(1, std::memory_order_relaxed) + 1, {}};
   coalescers_.store(coalescing_.size(), std::memory_order_release);
 }
 
@@ -263,7 +303,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::endCoalescing() {
     std::lock_guard<std::mutex> lock(coalesce_mutex_);
     const auto it = coalescing_.find(std::this_thread::get_id());
     TORCH_CHECK(it != coalescing_.end(), "ccl: endCoalescing called without startCoalescing on this thread");
-    parts = std::move(it->second);
+    parts = std::move(it->second.works);
     coalescing_.erase(it);
     coalescers_.store(coalescing_.size(), std::memory_order_release);
   }
@@ -300,6 +340,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::send(
   check_rank(op, "destination rank", dst_rank, getSize());
   CCL_CHECK_ARG(dst_rank != getRank(), "ccl send: a rank cannot send to itself (rank ", dst_rank, ")");
   Call call{kSend, timeout_, {t}, {t}};
+  call.writes_outputs = false;
   // Shared memory honours tags; oneCCL has none: it pairs a peer's sends and recvs by order,
   // which its transport keeps by handing them over one at a time per line (P2pTurn).
   call.prims.push_back(bytes(K::Send, ptr(t), nullptr, nbytes(t), dst_rank, tag));

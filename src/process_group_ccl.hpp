@@ -167,6 +167,8 @@ class ProcessGroupCCL : public c10d::Backend {
  private:
   struct Call;
   c10::intrusive_ptr<c10d::Work> run(Call&& call);
+  // run()'s start of an op that need not wait: its pre-processing, then its Prims.
+  void start_now(const c10::intrusive_ptr<WorkCCL>& work, Call& call);
 
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(at::Tensor& tensor, const c10d::AllreduceOptions& opts);
 
@@ -181,7 +183,11 @@ class ProcessGroupCCL : public c10d::Backend {
   // aborts on one thread while another may still be issuing ops (unguarded,
   // the two raced on this list: SIGSEGV or SIGABRT in 4 of 40 abort trials).
   std::mutex coalesce_mutex_;
-  std::map<std::thread::id, std::vector<c10::intrusive_ptr<WorkCCL>>> coalescing_; // under coalesce_mutex_
+  struct Block {
+    uint64_t id = 0; // WorkCCL::block_ of its ops
+    std::vector<c10::intrusive_ptr<WorkCCL>> works;
+  };
+  std::map<std::thread::id, Block> coalescing_; // under coalesce_mutex_
   std::atomic<size_t> coalescers_{0}; // coalescing_.size(), read without the lock
 };
 

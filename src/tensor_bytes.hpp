@@ -27,14 +27,23 @@ inline at::Tensor as_bytes(const at::Tensor& t) {
   return t.reshape({-1}).view(at::kByte);
 }
 
-// A flat copy of `tensors`, one after the other.
-inline at::Tensor flatten_copy(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> flat;
-  flat.reserve(tensors.size());
+// Room for `tensors`' elements, one after the other (of the first one's dtype), and
+// the copy into it; made apart, so that the copy runs when the op is started (run()'s
+// `prepare`, after earlier ops on the same tensors).
+inline at::Tensor flat_like(const std::vector<at::Tensor>& tensors) {
+  int64_t n = 0;
   for (const auto& t : tensors) {
-    flat.push_back(t.reshape({-1}));
+    n += t.numel();
   }
-  return at::cat(flat);
+  return at::empty({n}, tensors.at(0).options().memory_format(at::MemoryFormat::Contiguous));
+}
+inline void flatten_into(const std::vector<at::Tensor>& tensors, at::Tensor& flat) {
+  std::vector<at::Tensor> views;
+  views.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    views.push_back(t.reshape({-1}));
+  }
+  at::cat_out(flat, views); // one kernel for the list
 }
 
 // Copies consecutive slices of `flat` back into `tensors`.
@@ -51,13 +60,24 @@ inline size_t total(const std::vector<size_t>& counts) {
   return std::accumulate(counts.begin(), counts.end(), size_t{0});
 }
 
-// The bytes of `tensors`, one after the other, in a new flat buffer.
-inline at::Tensor pack_bytes(const std::vector<at::Tensor>& tensors, const at::TensorOptions& like) {
+// Room for the bytes of `tensors`, one after the other, and the copy into it (made apart,
+// as flat_like's).
+inline at::Tensor bytes_like(const std::vector<at::Tensor>& tensors, const at::TensorOptions& like) {
+  size_t n = 0;
+  for (const auto& t : tensors) {
+    n += t.numel() * t.element_size();
+  }
+  return at::empty({static_cast<int64_t>(n)}, like.dtype(at::kByte).memory_format(at::MemoryFormat::Contiguous));
+}
+inline void pack_into(const std::vector<at::Tensor>& tensors, at::Tensor& flat) {
   std::vector<at::Tensor> bytes;
+  bytes.reserve(tensors.size());
   for (const auto& t : tensors) {
     bytes.push_back(as_bytes(t));
   }
-  return bytes.empty() ? at::empty({0}, like.dtype(at::kByte)) : at::cat(bytes);
+  if (!bytes.empty()) {
+    at::cat_out(flat, bytes);
+  }
 }
 
 // Copies consecutive byte ranges of `flat` back into `tensors`.

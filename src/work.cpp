@@ -282,6 +282,10 @@ void WorkCCL::complete() {
     done_.store(true, std::memory_order_release);
     future = future_;
   }
+  if (in_finishing_) {
+    Progress::get().finished(this);
+    in_finishing_ = false;
+  }
   if (future) {
     // Created before completion, so getFuture() counted it as watched.
     Progress::get().unwatch_future();
@@ -329,6 +333,38 @@ void WorkCCL::wait_for_future(Clock::time_point limit) {
                     "ccl " + describe() + ": the op completed, but its Future's then() callbacks did not finish "
                     "within " + std::to_string(waited.count()) + " ms of wait()");
   }
+}
+
+void MemoryUse::add(std::vector<Span>& spans, const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) {
+    if (!t.defined() || t.numel() == 0 || t.is_sparse() || !t.has_storage()) {
+      continue;
+    }
+    // From the first element to past the last one, whatever the strides (none is negative).
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      last += (t.size(d) - 1) * t.stride(d);
+    }
+    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+    spans.push_back({lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size())});
+  }
+}
+
+bool MemoryUse::must_precede(const MemoryUse& later) const {
+  if (p2p && later.p2p) {
+    return false;
+  }
+  const auto overlap = [](const std::vector<Span>& a, const std::vector<Span>& b) {
+    for (const auto& x : a) {
+      for (const auto& y : b) {
+        if (x.lo < y.hi && y.lo < x.hi) {
+          return true;
+        }
+      }
+    }
+    return false;
+  };
+  return overlap(later.writes, writes) || overlap(later.writes, reads) || overlap(later.reads, writes);
 }
 
 bool WorkCCL::isCompleted() {
@@ -497,13 +533,13 @@ bool Progress::behind_another_locked(const WorkCCL& work) const {
       });
 }
 
-bool Progress::sweep() {
+bool Progress::sweep(bool start) {
   std::vector<c10::intrusive_ptr<WorkCCL>> finished;
-  bool moved = false;
+  bool moved = start && has_deferred_.load(std::memory_order_acquire) && start_deferred();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (inflight_.empty()) {
-      return false;
+      return moved;
     }
     const auto now = Clock::now();
     // Collectives complete in issue order per group and lane: their Futures' callbacks,
@@ -534,6 +570,8 @@ bool Progress::sweep() {
           w.in_completing_ = true;
         }
         releasing_.fetch_add(1, std::memory_order_acq_rel); // before it leaves inflight_: never unseen
+        finishing_.push_back(&w);
+        w.in_finishing_ = true;
         finished.push_back(std::move(inflight_[i]));
         inflight_.erase(inflight_.begin() + static_cast<std::ptrdiff_t>(i));
       } else {
@@ -555,7 +593,140 @@ bool Progress::sweep() {
   const auto held = static_cast<int>(finished.size());
   finished.clear();
   releasing_.fetch_sub(held, std::memory_order_acq_rel);
+  if (start && any && has_deferred_.load(std::memory_order_acquire)) {
+    start_deferred(); // what waited for them
+  }
   return moved || any;
+}
+
+void Progress::finished(WorkCCL* work) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto at = std::find(finishing_.begin(), finishing_.end(), work);
+  if (at != finishing_.end()) {
+    finishing_.erase(at);
+  }
+}
+
+bool Progress::waits_for_earlier_locked(const WorkCCL& work) const {
+  const auto before = [&](const WorkCCL* w) {
+    // (A coalesced Work has no memory of its own: its parts are tracked on their own.)
+    return w != &work && w->comm_ == work.comm_ && !w->done_.load(std::memory_order_acquire) &&
+        w->memory.must_precede(work.memory) && (work.block_ == 0 || w->block_ != work.block_);
+  };
+  return std::any_of(inflight_.begin(), inflight_.end(), [&](const auto& w) { return before(w.get()); }) ||
+      std::any_of(finishing_.begin(), finishing_.end(), before);
+}
+
+bool Progress::must_defer_locked(const Communicator& comm, const MemoryUse& use, uint64_t block) const {
+  if (std::any_of(deferred_.begin(), deferred_.end(), [&](const auto& w) { return w->comm_.get() == &comm; })) {
+    return true;
+  }
+  if (use.reads.empty() && use.writes.empty()) {
+    return false;
+  }
+  const auto before = [&](const WorkCCL* w) {
+    return w->comm_.get() == &comm && !w->done_.load(std::memory_order_acquire) && w->memory.must_precede(use) &&
+        (block == 0 || w->block_ != block);
+  };
+  return std::any_of(inflight_.begin(), inflight_.end(), [&](const auto& w) { return before(w.get()); }) ||
+      std::any_of(finishing_.begin(), finishing_.end(), before);
+}
+
+void Progress::defer(c10::intrusive_ptr<WorkCCL> work) {
+  deferred_.push_back(std::move(work));
+  has_deferred_.store(true, std::memory_order_release);
+  cv_.notify_one(); // a background thread asleep for want of ops in flight
+}
+
+bool Progress::start_deferred() {
+  bool any = false;
+  for (;;) {
+    c10::intrusive_ptr<WorkCCL> next;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      std::vector<const Communicator*> seen; // groups whose first deferred op stays
+      for (size_t i = 0; i < deferred_.size();) {
+        WorkCCL& w = *deferred_[i];
+        Communicator* comm = w.comm_.get();
+        if (std::find(seen.begin(), seen.end(), comm) != seen.end()) {
+          ++i;
+          continue; // behind an earlier deferred op of its group
+        }
+        if (!w.starting_ && comm->broken()) {
+          // No bound of its own while it waits: the ops it waits for have theirs, and when
+          // one fails the group breaks. Completed by sweep() in issue order, behind them
+          // (with no Pending, poll_locked finds it done).
+          w.error_ = backend_error("ccl " + w.describe() + ": not started: the process group broke while it " +
+                                   "waited for earlier ops of the group: " + comm->broken_reason());
+          place_locked(std::move(deferred_[i]));
+          deferred_.erase(deferred_.begin() + static_cast<std::ptrdiff_t>(i));
+          any = true;
+          continue; // and so every later one of the group
+        }
+        seen.push_back(comm);
+        if (!next && !w.starting_ && !waits_for_earlier_locked(w)) {
+          w.starting_ = true; // only this thread takes it out of deferred_ now
+          next = deferred_[i];
+        }
+        ++i;
+      }
+      has_deferred_.store(!deferred_.empty(), std::memory_order_release);
+    }
+    if (!next) {
+      return any;
+    }
+    any = true;
+    // Outside the lock: packing and scaling copy the caller's tensors.
+    std::string error;
+    try {
+      if (next->prepare) {
+        next->prepare();
+      }
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      error = e.what();
+    } catch (...) {
+      error = "an unknown exception";
+    }
+    next->prepare = nullptr;
+    std::lock_guard<std::mutex> lock(mutex_);
+    deferred_.erase(std::find(deferred_.begin(), deferred_.end(), next));
+    has_deferred_.store(!deferred_.empty(), std::memory_order_release);
+    if (error.empty() && next->comm_->broken()) { // it broke while this prepared it
+      next->error_ = backend_error("ccl " + next->describe() + ": not started: the process group broke while it " +
+                                   "waited for earlier ops of the group: " + next->comm_->broken_reason());
+    } else {
+      if (error.empty()) {
+        try {
+          next->pending = next->comm_->start(next->op_.name, std::move(next->deferred_prims));
+          // Its timeout counts from its start, as an op started at once does.
+          next->deadline_ = Clock::now() + next->timeout_;
+        } catch (const c10::Error& e) {
+          error = e.what_without_backtrace();
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+      }
+      if (!error.empty()) {
+        // The other ranks may have started it: later ops must not start in its place.
+        const std::string msg = "ccl " + next->describe() + ": could not be started after earlier ops of the group: " +
+            error + ". The process group can no longer be used; destroy it and create a new one.";
+        next->broke_group_ = next->comm_->mark_broken(msg);
+        next->error_ = backend_error(msg);
+      }
+    }
+    place_locked(next); // polled (or, failed, completed) in issue order, behind the ops before it
+  }
+}
+
+void Progress::place_locked(c10::intrusive_ptr<WorkCCL> work) {
+  // Ahead of its coalescing block's Work, which waits for it and holds back (in sweep()'s
+  // issue order) what comes after it; every op issued after it was deferred behind it.
+  const auto block = std::find_if(inflight_.begin(), inflight_.end(), [&](const auto& w) {
+    return std::find(w->parts.begin(), w->parts.end(), work) != w->parts.end();
+  });
+  inflight_.insert(block, std::move(work));
 }
 
 void Progress::posted(const Communicator* comm, Callbacks::Lane lane) {
@@ -566,13 +737,15 @@ void Progress::posted(const Communicator* comm, Callbacks::Lane lane) {
   }
 }
 
-bool Progress::drain(const Communicator& comm, Clock::time_point deadline) {
+bool Progress::drain(const Communicator& comm, Clock::time_point deadline, bool start) {
   Backoff backoff;
   for (;;) {
-    const bool moved = sweep();
+    const bool moved = sweep(start);
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (std::none_of(inflight_.begin(), inflight_.end(), [&](const auto& w) { return w->comm_.get() == &comm; })) {
+      const auto of_comm = [&](const auto& w) { return w->comm_.get() == &comm; };
+      if (std::none_of(inflight_.begin(), inflight_.end(), of_comm) &&
+          std::none_of(deferred_.begin(), deferred_.end(), of_comm)) {
         return true;
       }
     }
@@ -604,7 +777,7 @@ void Progress::background_loop() {
   Backoff backoff;
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_) {
-    if (inflight_.empty() || watched_.load() == 0) {
+    if ((inflight_.empty() && deferred_.empty()) || watched_.load() == 0) {
       backoff = Backoff();
       cv_.wait(lock);
       continue;

@@ -25,6 +25,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -45,6 +46,28 @@ struct OpInfo {
   const char* name;          // "allreduce", in error messages
   const char* title;         // "pg::allreduce", the Work's own profiler row
   const char* backend_title; // "ccl:all_reduce", c10d's convention
+};
+
+// The memory an op reads and writes: address ranges of its tensors, so that an op issued
+// later on the same memory starts after it (Progress::must_defer_locked), as ops on one CUDA
+// stream do.
+struct MemoryUse {
+  struct Span {
+    uintptr_t lo, hi; // [lo, hi)
+  };
+  std::vector<Span> reads, writes;
+  bool p2p = false; // a send or recv
+
+  void read(const std::vector<at::Tensor>& tensors) { add(reads, tensors); }
+  void write(const std::vector<at::Tensor>& tensors) { add(writes, tensors); }
+  // Whether `later` (issued after this) must wait for this: it writes what this reads or
+  // writes, or reads what this writes. Sends and recvs among themselves do not wait: they
+  // pair with their peers' in their own order (a rank's isend and irecv of one buffer were
+  // concurrent before, and a peer doing the same would otherwise wait on it for good).
+  bool must_precede(const MemoryUse& later) const;
+
+ private:
+  static void add(std::vector<Span>& spans, const std::vector<at::Tensor>& tensors);
 };
 
 class WorkCCL : public c10d::Work {
@@ -81,6 +104,12 @@ class WorkCCL : public c10d::Work {
   // When set, the Future carries these lists (List[List[Tensor]]) instead of the
   // flat list, as gloo's does for all_gather_coalesced (whose result() refuses them).
   std::vector<std::vector<at::Tensor>> nested_outputs;
+  MemoryUse memory; // the caller's tensors it reads and writes (Progress::must_defer_locked)
+  // An op issued behind an earlier one on the same memory: what Progress starts once it may
+  // (its pre-processing, then its Prims).
+  std::function<void()> prepare;
+  std::vector<Prim> deferred_prims;
+  uint64_t block_ = 0; // its coalescing block (0: none): the block's ops do not wait for each other
 
  private:
   friend class Progress;
@@ -109,7 +138,7 @@ class WorkCCL : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   const int64_t numel_;
   const std::chrono::milliseconds timeout_;
-  const Clock::time_point deadline_;
+  Clock::time_point deadline_; // from its start: a deferred op's is set when it starts
   int source_rank_ = -1;
   std::exception_ptr error_; // set by poll_locked, consumed by complete
   bool expired_ = false;
@@ -125,6 +154,8 @@ class WorkCCL : public c10d::Work {
   const Callbacks::Lane lane_; // where the Future's callbacks run
   const uint64_t key_;          // unique per Work: the completion hooks' key
   bool in_completing_ = false; // its key is in Progress::completing_ until complete() posted
+  bool in_finishing_ = false;  // in Progress::finishing_ until complete() is done with it
+  bool starting_ = false;      // deferred, and being started by some thread
   std::shared_ptr<std::atomic<int>> job_ops_; // issued inside a callback: that job's count of ops in flight
   void done_in_job();
   // Shared with the completion job, which holds this and not the Work: a job that held the
@@ -164,21 +195,31 @@ class Progress {
   // Caller holds ccl_mutex(). Whether `work`, a collective, must complete after another of its
   // group and lane that is still in flight or completing (sweep()'s issue order).
   bool behind_another_locked(const WorkCCL& work) const;
+  // Caller holds ccl_mutex(). Whether an op of `comm` using memory `use` must start later
+  // (defer()): an earlier op of the group that must precede it (MemoryUse::must_precede) is in
+  // flight or completing (its post-processing, such as averaging or copy-out, included), or
+  // an earlier op is deferred already (ops start in issue order, as oneCCL needs on every
+  // rank). `block`: its coalescing block (0: none), whose ops run together with it.
+  bool must_defer_locked(const Communicator& comm, const MemoryUse& use, uint64_t block) const;
+  // Caller holds ccl_mutex(). Keeps `work` (its prepare and deferred_prims set) to start
+  // once it may: the next sweep() after the ops it waits for completed.
+  void defer(c10::intrusive_ptr<WorkCCL> work);
   // Caller holds ccl_mutex(). A Work that expired (failed, timed out or was
   // aborted) while oneCCL may still use its op: kept for good, with its
   // buffers and its oneCCL events. oneCCL's event destructor waits for its
   // op, which after a peer's death never ends: measured, freeing one spun
   // for good or died of SIGABRT inside that wait.
   void abandon(c10::intrusive_ptr<WorkCCL> work);
-  // One pass over every in-flight Work; completes the ones that finished. Returns whether
-  // anything moved: a Work finished, or a transport moved one on (or cannot tell).
-  bool sweep();
+  // One pass over every in-flight Work; completes the ones that finished, and starts deferred
+  // ones that may start (unless `start` is false). Returns whether anything moved: a Work
+  // finished or started, or a transport moved one on (or cannot tell).
+  bool sweep(bool start = true);
   // Works a sweep() took out of flight and still holds (completing them, then letting go):
   // the last reference to one, and so to its group, may go on that sweep's thread.
   int releasing() const { return releasing_.load(std::memory_order_acquire); }
-  // Progresses until no Work of `comm` is in flight (true), or until
+  // Progresses until no Work of `comm` is in flight or deferred (true), or until
   // `deadline` (false).
-  bool drain(const Communicator& comm, Clock::time_point deadline);
+  bool drain(const Communicator& comm, Clock::time_point deadline, bool start = true);
   // A Future handed out for an unfinished Work: the background thread keeps
   // progressing while any is outstanding (its owner may never call wait()).
   void watch_future();
@@ -201,6 +242,21 @@ class Progress {
   std::vector<std::pair<const Communicator*, Callbacks::Lane>> completing_;
   // Works that expired while oneCCL may still use their buffers: never freed.
   std::vector<c10::intrusive_ptr<WorkCCL>> abandoned_;
+  // Works taken out of inflight_ whose complete() runs on some thread: a deferred op waits for
+  // them too (their post-processing writes the caller's tensors). Each is held by the
+  // thread completing it, which takes it out of here (finished()).
+  std::vector<WorkCCL*> finishing_;
+  friend class WorkCCL;
+  void finished(WorkCCL* work);
+  // Deferred ops, in issue order; started by start_deferred() (from sweep()).
+  std::vector<c10::intrusive_ptr<WorkCCL>> deferred_;
+  std::atomic<bool> has_deferred_{false}; // !deferred_.empty(), read without the lock
+  bool waits_for_earlier_locked(const WorkCCL& work) const;
+  // Puts a deferred Work, started or failed, into inflight_ in its issue-order place.
+  void place_locked(c10::intrusive_ptr<WorkCCL> work);
+  // Starts the first deferred op of each group that may start; fails those that cannot any
+  // more (their group broke, or their timeout passed). Returns whether any started or failed.
+  bool start_deferred();
   std::thread background_;
   std::atomic<int> watched_{0};
   std::atomic<int> releasing_{0};

@@ -284,3 +284,201 @@ def test_a_rank_waiting_for_a_late_peer_leaves_the_cpu():
     for form, (cpu, wall) in spent.items():
         assert wall >= 0.9, (form, wall)
         assert cpu < 0.25 * wall, f"{form}: {cpu:.3f} s of CPU in a {wall:.3f} s wait"
+
+
+# ---- ops on the same memory take effect in issue order -----------------------------------------
+# As on one CUDA stream (NCCL): an op issued while an earlier one on the same tensor is in flight
+# sees its result, and the earlier one never sees the later one's writes. oneCCL runs the ops in
+# flight together, and pre- and post-processing (packing, PREMUL_SUM's scaling, AVG's division)
+# ran beside the transports: two async all_reduces of one 100k-element tensor through oneCCL came
+# out wrong every time. gloo runs async ops concurrently on its threads (its results here differ
+# from run to run), so the reference is gloo with each op waited for before the next is issued.
+# Integer values: every sum, and AVG's halving, is exact in float32.
+
+def _same_memory_chains():
+    def values(rank, shape, salt):
+        g = torch.Generator().manual_seed(1000 * salt + rank)
+        return torch.randint(-50, 50, shape, generator=g).float()
+
+    def issue(ops, sync):
+        works = []
+        for op in ops:
+            w = op()
+            if not isinstance(w, dist.Work):
+                continue  # the reference's own step (t.div_)
+            if sync:
+                w.wait()
+            works.append(w)
+        return works
+
+    def sum_then_sum(rank, group, sync):
+        t = values(rank, (256 << 10,), 1)  # 1 MiB
+        return [t], issue([lambda: dist.all_reduce(t, group=group, async_op=True)] * 2, sync)
+
+    def avg_then_sum(rank, group, sync):
+        t = values(rank, (1000,), 2)
+        if group is None:  # AVG through ccl; the reference sums and halves
+            ops = [lambda: dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)]
+        else:
+            ops = [lambda: dist.all_reduce(t, group=group, async_op=True), lambda: t.div_(2)]
+        return [t], issue(ops + [lambda: dist.all_reduce(t, group=group, async_op=True)], sync)
+
+    def sum_then_premul_sum(rank, group, sync):
+        t = values(rank, (1000,), 3)
+        ops = [lambda: dist.all_reduce(t, group=group, async_op=True)]
+        if group is None:
+            ops.append(lambda: dist.all_reduce(t, op=dist._make_nccl_premul_sum(3.0), async_op=True))
+        else:
+            ops += [lambda: t.mul_(3), lambda: dist.all_reduce(t, group=group, async_op=True)]
+        return [t], issue(ops, sync)
+
+    def avg_then_broadcast(rank, group, sync):
+        t = values(rank, (64 << 10,), 4)
+        first = (lambda: dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)) if group is None else None
+        ops = [first] if first else [lambda: dist.all_reduce(t, group=group, async_op=True), lambda: t.div_(2)]
+        return [t], issue(ops + [lambda: dist.broadcast(t, 1, group=group, async_op=True)], sync)
+
+    def transposed_sum_then_sum(rank, group, sync):
+        t = values(rank, (512, 300), 5).t()  # dense, not contiguous
+        return [t], issue([lambda: dist.all_reduce(t, group=group, async_op=True)] * 2, sync)
+
+    def sum_then_gather_it(rank, group, sync):
+        t = values(rank, (64 << 10,), 6)
+        out = torch.empty(2 * t.numel())
+        return [t, out], issue([lambda: dist.all_reduce(t, group=group, async_op=True),
+                                lambda: dist.all_gather_into_tensor(out, t, group=group, async_op=True)], sync)
+
+    def gather_it_then_sum(rank, group, sync):
+        t = values(rank, (64 << 10,), 7)
+        out = torch.empty(2 * t.numel())
+        return [t, out], issue([lambda: dist.all_gather_into_tensor(out, t, group=group, async_op=True),
+                                lambda: dist.all_reduce(t, group=group, async_op=True)], sync)
+
+    def sum_then_scatter_its_halves(rank, group, sync):
+        t = values(rank, (2, 32 << 10), 8)
+        out = torch.empty(32 << 10)
+        halves = list(t.unbind(0)) if rank == 0 else None  # root 0 packs them: reads t
+        return [t, out], issue([lambda: dist.all_reduce(t, group=group, async_op=True),
+                                lambda: dist.scatter(out, halves, 0, group=group, async_op=True)], sync)
+
+    def sum_then_send_it(rank, group, sync):
+        t = values(rank, (64 << 10,), 9)
+        got = torch.zeros_like(t)
+        p2p = (lambda: dist.isend(t, 1, group=group)) if rank == 0 else (lambda: dist.irecv(got, 0, group=group))
+        return [t, got], issue([lambda: dist.all_reduce(t, group=group, async_op=True), p2p], sync)
+
+    return {f.__name__: f for f in (sum_then_sum, avg_then_sum, sum_then_premul_sum, avg_then_broadcast,
+                                    transposed_sum_then_sum, sum_then_gather_it, gather_it_then_sum,
+                                    sum_then_scatter_its_halves, sum_then_send_it)}
+
+
+def _chains_on_the_same_memory(rank, world):
+    expect_transport()
+    gloo = dist.new_group(backend="gloo")
+    wrong = {}
+    for name, chain in _same_memory_chains().items():
+        if rank == 1:
+            # Rank 0's ops are all in flight by then: none of them can have completed.
+            await_announcement(f"chain {name} issued")
+        results, works = chain(rank, None, sync=False)
+        if rank == 0:
+            announce(f"chain {name} issued")
+        for w in works:
+            w.wait()
+        reference, _ = chain(rank, gloo, sync=True)
+        for i, (got, want) in enumerate(zip(results, reference)):
+            if not torch.equal(got, want):
+                bad = (got != want).nonzero()
+                wrong[f"{name} result {i}"] = f"{len(bad)} of {got.numel()} elements differ, first at {bad[0].tolist()}"
+    return wrong
+
+
+def test_ops_on_the_same_memory_take_effect_in_issue_order(transport):
+    for rank, wrong in enumerate(run_ranks(_chains_on_the_same_memory, 2, env=TRANSPORTS[transport], timeout=300)):
+        assert not wrong, f"rank {rank}: {wrong}"
+
+
+def _errors_of(*works):
+    """Each Work's wait(): None, or the text of the DistBackendError it raised."""
+    errors = []
+    for w in works:
+        try:
+            w.wait()
+            errors.append(None)
+        except dist.DistBackendError as e:
+            errors.append(str(e))
+    return errors
+
+
+def _deferred_op_behind_one_that_times_out(rank, world):
+    expect_transport()
+    t = torch.ones(1000)
+    if rank == 1:
+        await_announcement("deferred op raised")  # never joins the ops
+        return None
+    first = dist.all_reduce(t, async_op=True)
+    second = dist.all_reduce(t, async_op=True)  # on the same tensor: starts once the first completed
+    start = time.monotonic()
+    errors = _errors_of(second, first)
+    waited = time.monotonic() - start
+    announce("deferred op raised")
+    return errors, waited
+
+
+def test_an_op_waiting_for_an_earlier_one_on_its_memory_fails_with_it(transport):
+    # The earlier op times out (the peer never joins): the group breaks, and the op behind it
+    # raises instead of waiting for good; it was never handed to the transport. (It has no
+    # timeout of its own while it waits: the ops it waits for have theirs.)
+    (second, first), waited = run_ranks(_deferred_op_behind_one_that_times_out, 2, env=TRANSPORTS[transport],
+                                        pg_timeout=3, timeout=120)[0]
+    assert first is not None and "did not complete within 3000 ms" in first, first
+    assert second is not None and "not started: the process group broke while it waited for earlier ops" in second, second
+    assert "did not complete within 3000 ms" in second, second  # the first op's error, which broke the group
+    assert waited < 30, waited
+
+
+def _deferred_inside_a_coalescing_block(rank, world):
+    expect_transport()
+    a, b = torch.full((1 << 16,), float(rank + 1)), torch.full((1 << 16,), float(rank + 1))
+    if rank == 1:
+        await_announcement("block issued")
+    first = dist.all_reduce(a, async_op=True)
+    # The block's broadcast of `a` starts only after `first`; the block's Work waits for it
+    # (once, it held it back: the block's wait() never returned). With a device, the block's
+    # ops are issued one by one between startCoalescing and endCoalescing.
+    with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+        dist.broadcast(a, 0, async_op=True)
+        dist.broadcast(b, 1, async_op=True)
+    if rank == 0:
+        announce("block issued")
+    cm.wait()
+    first.wait()
+    return a[0].item(), a[-1].item(), b[0].item()
+
+
+def test_an_op_of_a_coalescing_block_behind_an_earlier_one_on_its_memory(transport):
+    for rank, got in enumerate(run_ranks(_deferred_inside_a_coalescing_block, 2, env=TRANSPORTS[transport], timeout=120)):
+        assert got == (3.0, 3.0, 2.0), (rank, got)
+
+
+def _abort_with_an_op_waiting(rank, world):
+    expect_transport()
+    t = torch.ones(1000)
+    if rank == 1:
+        await_announcement("aborted")
+        return None
+    first = dist.all_reduce(t, async_op=True)
+    second = dist.all_reduce(t, async_op=True)  # waits for the first (same tensor)
+    start = time.monotonic()
+    dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).abort()
+    errors = _errors_of(first, second)
+    waited = time.monotonic() - start
+    announce("aborted")
+    return errors, waited
+
+
+def test_abort_fails_an_op_waiting_for_an_earlier_one_at_once(transport):
+    (first, second), waited = run_ranks(_abort_with_an_op_waiting, 2, env=TRANSPORTS[transport], timeout=120)[0]
+    assert first is not None and "abort() was called" in first, first
+    assert second is not None and "not started" in second and "abort() was called on it" in second, second
+    assert waited < 10, waited

@@ -3,7 +3,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -83,11 +82,6 @@ Callbacks& Callbacks::get() {
 
 void Callbacks::forget_in_child() {
   g_callbacks.store(nullptr, std::memory_order_relaxed);
-}
-
-bool Callbacks::busy() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return in_hand_ > 0 || std::any_of(lanes_.begin(), lanes_.end(), [](const auto& l) { return !l.second.jobs.empty(); });
 }
 
 Callbacks::Lane Callbacks::lane_for_new_work() {
@@ -264,7 +258,6 @@ void Callbacks::runner_loop(uint64_t id) {
     while (it != lanes_.end() && it->second.owner == id && !it->second.jobs.empty()) {
       auto job = std::move(it->second.jobs.front());
       it->second.jobs.pop_front();
-      ++in_hand_;
       it->second.job_started = it->second.looked = Clock::now();
       it->second.after_wait = false;
       it->second.cpu_looked = me.has_clock ? cpu_time(me.cpu_clock) : std::chrono::nanoseconds(0);
@@ -280,7 +273,6 @@ void Callbacks::runner_loop(uint64_t id) {
       tl_in_job = false;
       job = nullptr; // drop captured state without the lock held
       lock.lock();
-      --in_hand_;
       it = lanes_.find(lane);
     }
     if (it != lanes_.end() && it->second.owner == id) {

@@ -55,9 +55,6 @@ class Callbacks {
   void shutdown();
   // Whether the calling thread runs a completion job (a Future's callbacks).
   static bool in_job();
-  // Whether any job is queued, or held by a runner (running, or being let go of: a callback
-  // Python holds, and what it refers to, is freed then, on that thread).
-  bool busy();
   // For an op issued from inside a job: a count of that job's ops in flight, which the
   // caller holds and decrements once the op is complete (a job whose ops are in flight waits
   // on them, not on its lane). Null outside a job.
@@ -107,7 +104,6 @@ class Callbacks {
   uint64_t next_runner_ = 1;
   int idle_ = 0;
   int runners_ = 0;
-  int in_hand_ = 0; // jobs taken by a runner and not yet freed
   bool stop_ = false;
   std::thread::id inline_thread_; // running completions itself: no runner could be started
 };

@@ -177,7 +177,7 @@ constexpr const char* kKvsHint =
     "host chooses it)";
 
 // Set once a oneCCL communicator (or its key-value store) failed to be created in this process,
-// or a creation was left behind.
+// or a creation or a teardown was left behind.
 // Measured: after a creation that failed in libfabric's first send, freeing an earlier group's
 // communicator crashed the process (SIGSEGV in atl_comm_id_storage::release, at exit).
 std::atomic<bool> g_creation_failed{false};
@@ -232,21 +232,21 @@ void tear_down(std::optional<ccl::communicator> comm, std::shared_ptr<ccl::kvs> 
     std::mutex mutex;
     std::condition_variable cv;
     bool done = false;
-    bool left = false;
     std::optional<ccl::communicator> comm;
     std::shared_ptr<ccl::kvs> kvs;
   };
   auto t = std::make_shared<Teardown>();
   t->comm = std::move(comm);
   t->kvs = std::move(kvs);
+  // Counted while it runs, not only once left: an exit meanwhile (this is on another thread)
+  // would destroy oneCCL's statics under it.
+  leave_oneccl_running();
   const auto run = [t] {
     t->comm.reset();
     t->kvs.reset();
+    g_oneccl_left_running.fetch_sub(1);
     std::lock_guard<std::mutex> lock(t->mutex);
     t->done = true;
-    if (t->left) {
-      g_oneccl_left_running.fetch_sub(1);
-    }
     t->cv.notify_all();
   };
   std::thread worker;
@@ -264,18 +264,26 @@ void tear_down(std::optional<ccl::communicator> comm, std::shared_ptr<ccl::kvs> 
   };
   using Clock = std::chrono::steady_clock;
   const auto until = Clock::now() + limit;
-  std::optional<Clock::time_point> gone; // the server ends on its own once it has answered
+  // The server also ends on its own once it has answered the teardown, which then closes its
+  // sockets: a while is left for that, however crowded the host.
+  std::optional<Clock::time_point> gone;
   std::unique_lock<std::mutex> lock(t->mutex);
   while (!t->done) {
     const auto now = Clock::now();
     if (!gone && !serving()) {
       gone = now;
     }
-    if (now >= until || (gone && now - *gone > std::chrono::milliseconds(200))) {
-      t->left = true;
-      leave_oneccl_running();
+    if (now >= until || (gone && now - *gone > std::chrono::seconds(2))) {
       lock.unlock();
       worker.detach();
+      // Its communicator id and oneCCL's state may stay taken: later groups' objects are left
+      // too, as after a failed creation, rather than freed beside it.
+      g_creation_failed.store(true);
+      TORCH_WARN("ccl: freeing a process group's oneCCL communicator and key-value store did not finish ",
+                 gone ? "after the thread serving the store (rank 0's) had died, its client reset under it (a peer "
+                        "that exited or was killed mid-request)"
+                      : "within the group's timeout",
+                 "; left to finish on its own (a leak), and the process's exit will not wait for it");
       return;
     }
     t->cv.wait_for(lock, std::chrono::milliseconds(10));

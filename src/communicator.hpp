@@ -75,6 +75,10 @@ class Communicator {
   Shm* shm() const { return shm_.get(); }
 
   ccl::communicator& get() { return *comm_; }
+  // A count of this process's own threads about to let go of Works of this group: a completion
+  // job (it frees the Future's callbacks, which may refer to Works), a sweep (the Works it
+  // completed). Kept apart from the Communicator, which those Works keep alive.
+  const std::shared_ptr<std::atomic<int>>& internal_holds() const { return holds_; }
   int rank() const { return rank_; }
   int size() const { return size_; }
 
@@ -156,6 +160,7 @@ class Communicator {
   std::chrono::milliseconds timeout_;
   std::shared_ptr<ccl::kvs> kvs_;
   pid_t kvs_server_ = 0; // rank 0: the thread serving kvs_ (0: not known)
+  const std::shared_ptr<std::atomic<int>> holds_ = std::make_shared<std::atomic<int>>(0); // internal_holds()
   std::vector<int> host_peers_; // pids of the group's other ranks on this host, not yet swept
   std::optional<ccl::communicator> comm_;
   std::unique_ptr<CclTransport> ccl_; // after comm_, which it refers to

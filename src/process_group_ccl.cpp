@@ -92,17 +92,17 @@ void ProcessGroupCCL::shutdown() {
   // under it. It may need the GIL, which our caller may hold.
   PyThreadState* saved = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
   wait_for_abort_hooks(std::chrono::seconds(15));
-  // This rank's own threads may hold Works of the group for a moment more: a callback runner
+  // This rank's own threads may hold Works of the group for a moment more: a completion job
   // letting go of a Future's callbacks (a Python closure may refer to Works: it is freed
   // there, with the GIL, which is why it is released here), a sweep letting go of the Works it
   // completed. The last of them would tear the group down on that thread after this returned,
   // with the process free to exit under it (measured: 1 teardown in 7 in a callback test; the
   // cut requests then killed rank 0's key-value store server, see Communicator's tear_down).
   // Given a moment, the group's last reference goes with the caller's. (Works the caller still
-  // holds keep it, as they should; inside a callback, its own job counts as busy.)
+  // holds keep it, as they should. Inside a callback, its own job would count.)
   if (!Callbacks::in_job()) {
     const auto until = Clock::now() + std::chrono::seconds(2);
-    while (comm_.use_count() > 1 && (Callbacks::get().busy() || Progress::get().releasing() > 0) &&
+    while (comm_.use_count() > 1 && comm_->internal_holds()->load(std::memory_order_acquire) > 0 &&
            Clock::now() < until) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }

@@ -289,7 +289,11 @@ void WorkCCL::complete() {
   if (future) {
     // Created before completion, so getFuture() counted it as watched.
     Progress::get().unwatch_future();
-    Callbacks::get().post(lane_, [sync = sync_, future, error, value = future_value()]() mutable {
+    // Its group's count of holds, let go of once the job (and so the Future's callbacks) is freed.
+    auto holds = comm_->internal_holds();
+    holds->fetch_add(1, std::memory_order_acq_rel);
+    std::shared_ptr<void> hold(nullptr, [holds](void*) { holds->fetch_sub(1, std::memory_order_acq_rel); });
+    Callbacks::get().post(lane_, [sync = sync_, hold, future, error, value = future_value()]() mutable {
       try {
         if (error) {
           future->setError(error);
@@ -535,6 +539,7 @@ bool Progress::behind_another_locked(const WorkCCL& work) const {
 
 bool Progress::sweep(bool start) {
   std::vector<c10::intrusive_ptr<WorkCCL>> finished;
+  std::vector<std::shared_ptr<std::atomic<int>>> holds; // their groups' internal_holds()
   bool moved = start && has_deferred_.load(std::memory_order_acquire) && start_deferred();
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -569,7 +574,9 @@ bool Progress::sweep(bool start) {
           earlier.push_back(key);
           w.in_completing_ = true;
         }
-        releasing_.fetch_add(1, std::memory_order_acq_rel); // before it leaves inflight_: never unseen
+        // Counted before it leaves inflight_ (never unseen by shutdown()), let go of below.
+        w.comm_->internal_holds()->fetch_add(1, std::memory_order_acq_rel);
+        holds.push_back(w.comm_->internal_holds());
         finishing_.push_back(&w);
         w.in_finishing_ = true;
         finished.push_back(std::move(inflight_[i]));
@@ -590,9 +597,10 @@ bool Progress::sweep(bool start) {
     work->complete();
   }
   const bool any = !finished.empty();
-  const auto held = static_cast<int>(finished.size());
-  finished.clear();
-  releasing_.fetch_sub(held, std::memory_order_acq_rel);
+  finished.clear(); // where a group's last reference may go
+  for (const auto& held : holds) {
+    held->fetch_sub(1, std::memory_order_acq_rel);
+  }
   if (start && any && has_deferred_.load(std::memory_order_acquire)) {
     start_deferred(); // what waited for them
   }

@@ -214,9 +214,6 @@ class Progress {
   // ones that may start (unless `start` is false). Returns whether anything moved: a Work
   // finished or started, or a transport moved one on (or cannot tell).
   bool sweep(bool start = true);
-  // Works a sweep() took out of flight and still holds (completing them, then letting go):
-  // the last reference to one, and so to its group, may go on that sweep's thread.
-  int releasing() const { return releasing_.load(std::memory_order_acquire); }
   // Progresses until no Work of `comm` is in flight or deferred (true), or until
   // `deadline` (false).
   bool drain(const Communicator& comm, Clock::time_point deadline, bool start = true);
@@ -259,7 +256,6 @@ class Progress {
   bool start_deferred();
   std::thread background_;
   std::atomic<int> watched_{0};
-  std::atomic<int> releasing_{0};
   // Futures handed out so far (under mutex_): the background thread's pause after a sweep is
   // skipped when one came during the sweep, whose notify found nobody waiting.
   uint64_t futures_seen_ = 0;

@@ -356,7 +356,7 @@ def two_rank_runs(args, python, out: Path, work: Path) -> list:
         # Where reading peers directly (single copy) beats the staging buffers on this
         # CPU: the crossovers in route.cpp were measured on one other machine.
         steps.append(("bench 2 ranks, staged against single copy",
-                      [python, "-m", "oneccl_bind_pt.bench", "--nprocs", "2", "--ops", OPS,
+                      [python, "-m", "oneccl_bind_pt.bench", "--nprocs", "2", "--ops", args.ops,
                        "--dtypes", "float32", "--sizes", args.single_sizes, "--backends", "staged,single",
                        "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
                        "--json", out / "single.json"], {}))
@@ -407,7 +407,7 @@ def run(args) -> int:
             for n in ranks:
                 backends = args.backends if n == "2" else args.many_backends or args.backends
                 dtypes = args.dtypes if n == "2" else args.many_dtypes or args.dtypes
-                steps.append((f"bench {n} ranks", [python, "-m", "oneccl_bind_pt.bench", "--nprocs", n, "--ops", OPS,
+                steps.append((f"bench {n} ranks", [python, "-m", "oneccl_bind_pt.bench", "--nprocs", n, "--ops", args.ops,
                                                    "--dtypes", dtypes, "--sizes", args.sizes,
                                                    *(["--backends", backends] if backends else []),
                                                    "--seconds", args.seconds, "--rounds", args.rounds, "--quiet",
@@ -517,6 +517,8 @@ def main() -> int:
     r.add_argument("--quick", action="store_true", help="a check of the script: 2 ranks, float32, 2 sizes, "
                    "a small DDP model on 2 ranks x 1 thread")
     r.add_argument("--ranks", help=f"bench's rank counts (part 1: {PARTS['1']['ranks']}; part 2: {PARTS['2']['ranks']}; --quick {QUICK['ranks']})")
+    r.add_argument("--ops", default=OPS, help="bench's ops, at every rank count and in the staged-against-single-copy "
+                   "run (default: %(default)s)")
     r.add_argument("--dtypes", help=f"bench's dtypes (default: {COMMON['dtypes']})")
     r.add_argument("--sizes", help=f"bench's message sizes (default: {COMMON['sizes']}; --quick {QUICK['sizes']})")
     r.add_argument("--seconds", type=float, help=f"bench's time per column per point (default: {COMMON['seconds']})")

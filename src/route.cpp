@@ -65,17 +65,24 @@ size_t env_bytes(const char* name, size_t fallback) {
 //    at 64 MiB (at 4 MiB single copy still took 0.86-0.91x of staging's), and on the 16-core
 //    Xeon staging of 2 MiB chunks was already within 1.06x of single copy at 64 MiB; so
 //    allreduce reads directly only up to 8 MiB.
-//  - With helpers, on any CPU, and on other CPUs (a 2-core AMD EPYC VM): only allgather and
-//    reduce_scatter around 1 MiB. On the Xeon with 3 helpers an allreduce of 16 MiB took
-//    1.5 ms staged and 2.9 ms in single copy, even with its reads split across the helpers
-//    (two runs, two hosts of one image); on the EPYC staging was as fast or faster from
-//    ~16 MiB, allreduce, broadcast and all-to-all showed no steady gain, and the receiver's
-//    single read of a send was 1.2-2.2x slower from 16 KiB to 64 MiB.
+//  - On other CPUs without helpers (a 2-core AMD EPYC VM): only allgather and
+//    reduce_scatter around 1 MiB. There staging was as fast or faster from ~16 MiB,
+//    allreduce, broadcast and all-to-all showed no steady gain, and the receiver's single
+//    read of a send was 1.2-2.2x slower from 16 KiB to 64 MiB.
+//  - With helpers, on any CPU: only reduce_scatter and all-to-all of 256-512 KiB. Helpers
+//    split the staged copies and not the reads, and on the 16-core Xeon with 6 helpers (2
+//    ranks) single copy took 1.35-5.4x staging's time from 1 MiB for every op (reduce_scatter
+//    of 1 MiB 2.0x, allgather of 4 MiB 2.0x), 0.67-0.80x only at 256 KiB for reduce_scatter,
+//    all-to-all and allgather (whose share there was 128 KiB, below any band); with 3 helpers
+//    on 4 ranks, 3.0x for an allgather of 1 MiB and 1.0x at 16 MiB, where the earlier band
+//    (shares of 1-4 MiB) had made it 1.7x the best oneCCL setting (docs/performance.md, run D).
 constexpr size_t kNever = SIZE_MAX;
 constexpr size_t kKiB = 1024, kMiB = kKiB * 1024;
 //                          allreduce reduce  broadcast   allgather   alltoall    reduce_scatter send
 constexpr PerKind kNarrowFrom{kNever,   kNever, kNever,     1 * kMiB,   kNever,     256 * kKiB,    kNever};
 constexpr PerKind kNarrowTo{  0,        0,      0,          4 * kMiB,   0,          4 * kMiB,      kNever};
+constexpr PerKind kHelpedFrom{kNever,   kNever, kNever,     kNever,     256 * kKiB, 256 * kKiB,    kNever};
+constexpr PerKind kHelpedTo{  0,        0,      0,          0,          512 * kKiB, 512 * kKiB,    kNever};
 constexpr PerKind kWideFrom{  1 * kMiB, kNever, 256 * kKiB, 256 * kKiB, 256 * kKiB, 256 * kKiB,    256 * kKiB};
 constexpr PerKind kWideTo{    8 * kMiB, 0,      1 * kMiB,   kNever,     kNever,     kNever,        1 * kMiB};
 
@@ -160,9 +167,9 @@ ShmLimits ShmLimits::from_env() {
   // Single copy: where reading peers' tensors directly beat staging them
   // (docs/performance.md, "single copy").
   // helper_plan() is chosen before the group's transports (ProcessGroupCCL's constructor).
-  const bool wide = intel_cpu() && helper_plan().count == 0;
-  l.single_copy = wide ? kWideFrom : kNarrowFrom;
-  l.single_copy_to = wide ? kWideTo : kNarrowTo;
+  const bool helped = helper_plan().count > 0, wide = !helped && intel_cpu();
+  l.single_copy = helped ? kHelpedFrom : wide ? kWideFrom : kNarrowFrom;
+  l.single_copy_to = helped ? kHelpedTo : wide ? kWideTo : kNarrowTo;
   const RankCores cores = rank_cores(local_ranks());
   const char* chunk = std::getenv("ONECCL_BIND_PT_SHM_CHUNK_BYTES");
   if (chunk && *chunk) {

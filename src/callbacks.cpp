@@ -153,6 +153,7 @@ void Callbacks::post(Lane lane, std::function<void()> job) {
       }
       tl_in_job = was_in_job;
     }
+    jobs.clear(); // what they hold (a Future, its value) is freed without the lock: that may post
     lock.lock();
   }
   if (outermost) {

@@ -12,6 +12,7 @@
 #include <c10/util/Exception.h>
 
 #include <numeric>
+#include <system_error>
 
 namespace oneccl_bind_pt {
 
@@ -272,7 +273,12 @@ void WorkCCL::complete() {
     }
     end_backend_event_ = nullptr;
   }
-  finish(error);
+  try {
+    finish(error);
+  } catch (...) {
+    // c10d's finish() marks the Work completed, then runs the profiler's end callback: a
+    // failure there is the record's only, and the rest below must still run.
+  }
   if (!error) {
     comm_->completed(key_);
   }
@@ -426,6 +432,9 @@ bool WorkCCL::wait(std::chrono::milliseconds timeout) {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkCCL::getFuture() {
+  if (!done_.load(std::memory_order_acquire) && !comm_->inherited()) {
+    Progress::get().need_background(describe()); // before the Future exists: a refusal changes nothing
+  }
   bool created_done = false;
   bool created_pending = false;
   c10::intrusive_ptr<c10::ivalue::Future> future;
@@ -770,12 +779,31 @@ void Progress::waiter_left() {
   }
 }
 
+void Progress::need_background(const std::string& op) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (background_.joinable() || stop_) {
+    return;
+  }
+  try {
+    background_ = std::thread([this] { background_loop(); });
+  } catch (const std::system_error& e) {
+    // A Future nobody drives would never complete (its wait() has no limit): refuse it.
+    TORCH_CHECK(false, "ccl ", op, ": get_future() needs a thread to complete the Future and none could be started (",
+                e.what(), "; the process is at its thread limit). The op is in flight: Work.wait() completes it, "
+                "and later ops may ask for a Future again");
+  }
+}
+
 void Progress::watch_future() {
   std::lock_guard<std::mutex> lock(mutex_);
   watched_.fetch_add(1);
   ++futures_seen_;
   if (!background_.joinable() && !stop_) {
-    background_ = std::thread([this] { background_loop(); });
+    try {
+      background_ = std::thread([this] { background_loop(); });
+    } catch (const std::system_error&) {
+      // (need_background() started it; only its own end since could bring this here.)
+    }
   }
   cv_.notify_one();
 }

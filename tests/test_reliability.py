@@ -430,3 +430,126 @@ def test_soak_every_size_new_with_buffer_cache_off(transport):
     for checked, before, after in run_ranks(_soak, 2, 600, 600, env=env):
         assert checked == 600
         assert after["rss_kb"] < before["rss_kb"] * 1.05, (before, after)
+
+
+# ---- Future callbacks with no thread to be had ----------------------------------------------
+# Callbacks run on threads of their own; a process at its thread limit gets none, and then the
+# thread that completes an op runs them, in order (src/callbacks.cpp). A pids cgroup holding the
+# rank at its current task count is that limit, even for root (RLIMIT_NPROC is not).
+
+def _pids_cgroup_parent():
+    """A folder where this process may make a pids cgroup (v1 hierarchy, or v2 with the
+    controller enabled below the root), or None."""
+    v1 = "/sys/fs/cgroup/pids"
+    if os.path.isfile(os.path.join(v1, "cgroup.procs")) and os.access(v1, os.W_OK):
+        return v1
+    v2 = "/sys/fs/cgroup"
+    try:
+        with open(os.path.join(v2, "cgroup.subtree_control")) as f:
+            if "pids" in f.read().split() and os.access(v2, os.W_OK):
+                return v2
+    except OSError:
+        pass
+    return None
+
+
+def _thread_names():
+    return {open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
+
+
+def _this_thread_name():
+    return open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip()
+
+
+class _NoThreads:
+    """Inside a rank: while entered, this process is in a pids cgroup held below its task count."""
+
+    def __init__(self, cgroup):
+        self.cgroup = cgroup
+
+    def __enter__(self):
+        with open(os.path.join(self.cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            threading.Thread(target=lambda: None).start()
+        except RuntimeError:
+            return self
+        raise AssertionError("the pids limit did not hold: the test would prove nothing")
+
+    def __exit__(self, *exc):
+        with open(os.path.join(os.path.dirname(self.cgroup), "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))  # back out: returning the result starts a thread
+
+
+def _callbacks_with_no_thread_to_be_had(rank, world, cgroup):
+    x = torch.ones(4)
+    dist.all_reduce(x)  # the group and its threads are made; no Future yet
+    assert "ccl-progress" not in _thread_names(), _thread_names()
+    # 1. No thread to complete a Future: get_future() refuses, naming the op, and the op is
+    #    still there to wait for (a Future nobody completes would wait for good).
+    a = torch.full((16,), rank + 1.0)
+    with _NoThreads(cgroup):
+        if rank == 1:
+            await_announcement("asked")  # rank 0's op is in flight when it asks for the Future
+        work = dist.all_reduce(a, async_op=True)
+        try:
+            work.get_future()
+            refused = None
+        except RuntimeError as e:
+            refused = str(e)
+        if rank == 0:
+            announce("asked")
+        work.wait()
+    if rank == 0:  # (rank 1's op may have completed as it was issued: its Future needs no thread)
+        assert refused and "allreduce" in refused and "thread" in refused, refused
+    assert a.tolist() == [3.0] * 16, a
+
+    # 2. The Future thread runs, but no callback thread can start (none has yet: no op with a
+    #    Future has completed in this process): callbacks run where rank 0's ops complete.
+    assert "ccl-callbacks" not in _thread_names(), _thread_names()
+    ran_on = []
+
+    def total(f):
+        ran_on.append(_this_thread_name())
+        return f.value()[0].sum().item()
+
+    def again(f):  # issues a collective of its own and waits for it, inside the job
+        ran_on.append(_this_thread_name())
+        d = f.value()[0].clone()
+        dist.all_reduce(d)
+        return d
+
+    b = torch.full((1024,), rank + 1.0)
+    c = torch.full((8,), float(rank))
+    if rank == 1:  # joins each op after rank 0 chained its callback (so it runs at completion)
+        await_announcement("chained")
+        got_total = dist.all_reduce(b, async_op=True).get_future().then(total).wait()
+        await_announcement("chained again")
+        got_again = dist.all_reduce(c, async_op=True).get_future().then(again).wait().tolist()
+        return ran_on, got_total, got_again
+    fut = dist.all_reduce(b, async_op=True).get_future().then(total)  # starts the Future thread
+    with _NoThreads(cgroup):
+        announce("chained")
+        got_total = fut.wait()
+        fut = dist.all_reduce(c, async_op=True).get_future().then(again)
+        announce("chained again")
+        got_again = fut.wait().tolist()
+    return ran_on, got_total, got_again
+
+
+def test_future_callbacks_run_where_ops_complete_when_no_thread_can_start(transport):
+    parent = _pids_cgroup_parent()
+    if parent is None:
+        pytest.skip("no pids cgroup this test may make (cgroup v1 pids hierarchy or v2 with pids enabled)")
+    cgroup = os.path.join(parent, f"oneccl-bind-pt-test-{os.getpid()}")
+    os.mkdir(cgroup)
+    try:
+        with open(os.path.join(cgroup, "pids.max"), "w") as f:
+            f.write("1")  # below any rank's task count: no new thread or process
+        got = run_ranks(_callbacks_with_no_thread_to_be_had, 2, cgroup, env=TRANSPORTS[transport], timeout=120)
+    finally:
+        os.rmdir(cgroup)  # empty again: each rank moved itself back out, and has exited
+    for rank, (ran_on, got_total, got_again) in enumerate(got):
+        assert got_total == 1024 * 3.0 and got_again == [2.0] * 8, (rank, got_total, got_again)
+        if rank == 0:  # its callbacks were chained before completion
+            assert len(ran_on) == 2 and "ccl-callbacks" not in ran_on, ran_on

@@ -28,17 +28,18 @@ checkout:
     and 2 x 7 with one oneCCL worker per rank; `2x8:helpers=2` is another form), first in
     part 1, last in part 2 (which starts with its longest run, the 8-rank benchmark);
   - python -m oneccl_bind_pt.bench at each of --ranks (part 1: 2 and 4; part 2: 8), allreduce,
-    allgather, reduce_scatter, alltoall, broadcast, sendrecv, --sizes (4 KiB to 64 MiB), with
+    allgather, reduce_scatter, alltoall, broadcast, sendrecv (--ops), --sizes (4 KiB to 64 MiB;
+    part 2 without 64 KiB), with
     ccl, oneccl and oneccl+w, and pg at 2 ranks (float32 and bfloat16), single from 4 ranks
     (float32) (--backends, --many-backends, --many-dtypes);
   - at 2 ranks, staged against single copy (--single-sizes, part 1): where reading peers
     directly wins on this CPU;
   - at 2 ranks, the helper sweep: bench of our transport alone (pg) with ONECCL_BIND_PT_HELPERS
-    at each of --helpers (part 1: 0, 3, 6; part 2: 0 and 3 with the AVX-512 kernels,
-    `3:kernels=avx512`), allreduce, allgather, reduce_scatter, broadcast, sendrecv, 1-64 MiB.
+    at each of --helpers (part 1: 0, 3, 6; `3:kernels=avx512` is another form), allreduce,
+    allgather, reduce_scatter, broadcast, sendrecv, 1-64 MiB.
 
 A host lent 15 minutes in all takes the two parts as two calls one after the other
-(--part 1, about 400 s, then --part 2, about 280 s, each into its own --out: their files
+(--part 1, about 435 s, then --part 2, about 250 s, each into its own --out: their files
 share names); --part all runs both in one.
 
 Everything lands in one folder (--out, required), at most 8 files: perf.log (every
@@ -101,10 +102,11 @@ HELPER_KNOBS = {"chunk": ("ONECCL_BIND_PT_SHM_CHUNK_BYTES", "c"), "kernels": ("O
 # 2 ranks ran past 140 s, four columns at 4 ranks took 122 s and at 8 ranks past 123 s, each
 # bench_ddp 40-60 s, each helper run 13-16 s. DDP, the number users feel, runs first in part 1;
 # part 2 starts with its longest run, the 8-rank benchmark, whose JSON is written only at its end.
-# Part 1, about 400 s: DDP 2x8 and 4x4; bench at 2 ranks (four columns, float32 and bfloat16)
+# Part 1, 435 s in run D: DDP 2x8 and 4x4; bench at 2 ranks (four columns, float32 and bfloat16)
 # with single copy against staging and the helper sweep; bench at 4 ranks.
-# Part 2, about 280 s: bench at 8 ranks; the helper sweep with AVX-512 kernels (compare with
-# part 1's 0 and 3 from the same host); DDP with bucket views and with a oneCCL worker.
+# Part 2, about 250 s: bench at 8 ranks (without 64 KiB: three columns and four sizes ran past
+# 105 s in run D); DDP with bucket views and with a oneCCL worker. (Run D answered the AVX-512
+# kernels against AVX2's, which part 2 swept before: no steady difference.)
 # From 4 ranks `single` (single copy at every size) takes `pg`'s place: at 4 ranks and 16 MiB run B
 # (single copy, reads split across the helpers) read allgather 1,927 us, all-to-all 1,507 and
 # broadcast 914 where run C (staged, the copies split across them) read 3,803, 3,235 and 1,697,
@@ -116,10 +118,10 @@ COMMON = dict(dtypes="float32,bfloat16", sizes="4K,64K,1M,16M,64M", seconds=0.02
 PARTS = {
     "1": dict(COMMON, ranks="2,4", helpers="0,3,6", single_sizes="256K,1M,4M,16M,64M", ddp="2x8,4x4",
               budget=450, step_timeout=150, ddp_first=True),
-    "2": dict(COMMON, ranks="8", helpers="0:kernels=avx512,3:kernels=avx512", single_sizes="",
+    "2": dict(COMMON, ranks="8", sizes="4K,1M,16M,64M", helpers="", single_sizes="",
               ddp="2x8:view=1,2x7:workers=1", budget=300, step_timeout=200, ddp_first=False),
 }
-PARTS["all"] = dict(COMMON, ranks="2,4,8", helpers="0,3,6,0:kernels=avx512,3:kernels=avx512",
+PARTS["all"] = dict(COMMON, ranks="2,4,8", helpers="0,3,6",
                     single_sizes=PARTS["1"]["single_sizes"], ddp="2x8,4x4,2x8:view=1,2x7:workers=1",
                     budget=760, step_timeout=200, ddp_first=True)
 QUICK = dict(ranks="2", dtypes="float32", sizes="4K,1M", seconds=0.02, rounds=2, backends="", many_backends="",

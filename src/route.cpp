@@ -69,20 +69,22 @@ size_t env_bytes(const char* name, size_t fallback) {
 //    reduce_scatter around 1 MiB. There staging was as fast or faster from ~16 MiB,
 //    allreduce, broadcast and all-to-all showed no steady gain, and the receiver's single
 //    read of a send was 1.2-2.2x slower from 16 KiB to 64 MiB.
-//  - With helpers, on any CPU: only reduce_scatter and all-to-all of 256-512 KiB. Helpers
-//    split the staged copies and not the reads, and on the 16-core Xeon with 6 helpers (2
-//    ranks) single copy took 1.35-5.4x staging's time from 1 MiB for every op (reduce_scatter
-//    of 1 MiB 2.0x, allgather of 4 MiB 2.0x), 0.67-0.80x only at 256 KiB for reduce_scatter,
-//    all-to-all and allgather (whose share there was 128 KiB, below any band); with 3 helpers
-//    on 4 ranks, 3.0x for an allgather of 1 MiB and 1.0x at 16 MiB, where the earlier band
-//    (shares of 1-4 MiB) had made it 1.7x the best oneCCL setting (docs/performance.md, run D).
+//  - With helpers, on any CPU: only reduce_scatter of 256-512 KiB. Helpers split the staged
+//    copies and not the reads, and on the 16-core Xeon with 6 helpers (2 ranks) single copy
+//    took 1.35-5.4x staging's time from 1 MiB for every op (reduce_scatter of 1 MiB 2.0x,
+//    allgather of 4 MiB 2.0x), 0.67-0.80x only at 256 KiB for reduce_scatter, all-to-all and
+//    allgather (whose share there was 128 KiB, below any band); with 3 helpers on 4 ranks,
+//    3.0x for an allgather of 1 MiB and 1.0x at 16 MiB, where the earlier band (shares of
+//    1-4 MiB) had made it 1.7x the best oneCCL setting (docs/performance.md, run D). Not
+//    all-to-all: its band would also take scatter, gather and uneven all-to-alls (every rank
+//    follows any rank in the band, a peer sending far more too), for 9 us at 256 KiB.
 constexpr size_t kNever = SIZE_MAX;
 constexpr size_t kKiB = 1024, kMiB = kKiB * 1024;
 //                          allreduce reduce  broadcast   allgather   alltoall    reduce_scatter send
 constexpr PerKind kNarrowFrom{kNever,   kNever, kNever,     1 * kMiB,   kNever,     256 * kKiB,    kNever};
 constexpr PerKind kNarrowTo{  0,        0,      0,          4 * kMiB,   0,          4 * kMiB,      kNever};
-constexpr PerKind kHelpedFrom{kNever,   kNever, kNever,     kNever,     256 * kKiB, 256 * kKiB,    kNever};
-constexpr PerKind kHelpedTo{  0,        0,      0,          0,          512 * kKiB, 512 * kKiB,    kNever};
+constexpr PerKind kHelpedFrom{kNever,   kNever, kNever,     kNever,     kNever,     256 * kKiB,    kNever};
+constexpr PerKind kHelpedTo{  0,        0,      0,          0,          0,          512 * kKiB,    kNever};
 constexpr PerKind kWideFrom{  1 * kMiB, kNever, 256 * kKiB, 256 * kKiB, 256 * kKiB, 256 * kKiB,    256 * kKiB};
 constexpr PerKind kWideTo{    8 * kMiB, 0,      1 * kMiB,   kNever,     kNever,     kNever,        1 * kMiB};
 

@@ -789,8 +789,9 @@ void Progress::need_background(const std::string& op) {
   } catch (const std::system_error& e) {
     // A Future nobody drives would never complete (its wait() has no limit): refuse it.
     TORCH_CHECK(false, "ccl ", op, ": get_future() needs a thread to complete the Future and none could be started (",
-                e.what(), "; the process is at its thread limit). The op is in flight: Work.wait() completes it, "
-                "and later ops may ask for a Future again");
+                e.what(), "; the process is at its thread limit). The op was issued and is in flight on its "
+                "tensors: where the call returned a Work, Work.wait() completes it; a later op may ask for a "
+                "Future again");
   }
 }
 

@@ -52,8 +52,10 @@ def _paths(rank, world):
                      for s in (1 << 20, 1 << 30)},
                   # allreduce's Intel band ends at 8 MiB
                   "allreduce 8M": pg._path("allreduce", 8 << 20), "allreduce 8M+1": pg._path("allreduce", (8 << 20) + 1),
-                  # the band with helpers: reduce_scatter and all-to-all of 256-512 KiB
-                  **{f"{k} {s >> 10}K": pg._path(k, s) for k in ("reduce_scatter", "alltoall") for s in (256 << 10, 768 << 10)}},
+                  # the band with helpers: reduce_scatter of 256-512 KiB (both ends in it)
+                  **{f"reduce_scatter {s}": pg._path("reduce_scatter", b) for s, b in (
+                      ("256K-1", (256 << 10) - 1), ("256K", 256 << 10), ("512K", 512 << 10), ("512K+1", (512 << 10) + 1))},
+                  "alltoall 256K": pg._path("alltoall", 256 << 10)},
         "off": _backend(g)._path("allreduce", 4),
         "single_copy": pg._single_copy(),
         "helpers": int(_C.helpers().split()[1]),  # "helpers N (why)"
@@ -69,7 +71,7 @@ SINGLE_COPY = {
     # The measured bands (src/route.cpp): on Intel CPUs without helper threads allgather,
     # reduce_scatter and all-to-all from 256 KiB up, allreduce from 1 to 8 MiB and send up to
     # 1 MiB; on other CPUs without helpers allgather and reduce_scatter around 1 MiB; with
-    # helpers reduce_scatter and all-to-all of 256-512 KiB.
+    # helpers reduce_scatter of 256-512 KiB.
     "default": {},
     "from-256K": {"ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES": "256K"},
     "off": {"ONECCL_BIND_PT_SHM_SINGLE_COPY": "0"},
@@ -84,11 +86,11 @@ def test_paths_and_the_switch(setting):
     assert got["off"] == "oneccl"
     # Large messages: staged in chunks, or read from peers' tensors (this machine lets
     # ranks of one user read each other) where the setting says.
-    kib = {f"{k} {s}K" for k in ("reduce_scatter", "alltoall") for s in (256, 768)}
+    kib = {"reduce_scatter 256K", "reduce_scatter 512K", "reduce_scatter 512K+1", "alltoall 256K"}
     intel = {f"{k} {s}M" for k in ("allgather", "reduce_scatter") for s in (1, 1024)} | {"allreduce 1M", "allreduce 8M",
                                                                                          "send 1M"} | kib
-    narrow = {"allgather 1M", "reduce_scatter 1M", "reduce_scatter 256K", "reduce_scatter 768K"}
-    helped = {"reduce_scatter 256K", "alltoall 256K"}
+    narrow = {"allgather 1M", "reduce_scatter 1M", "reduce_scatter 256K", "reduce_scatter 512K", "reduce_scatter 512K+1"}
+    helped = {"reduce_scatter 256K", "reduce_scatter 512K"}
     default = helped if got["helpers"] > 0 else intel if INTEL else narrow
     cma = {"default": default, "helpers": helped,
            "from-256K": {f"{k} {s}M" for k in ("allreduce", "allgather", "reduce_scatter", "send")

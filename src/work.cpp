@@ -433,7 +433,13 @@ bool WorkCCL::wait(std::chrono::milliseconds timeout) {
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkCCL::getFuture() {
   if (!done_.load(std::memory_order_acquire) && !comm_->inherited()) {
-    Progress::get().need_background(describe()); // before the Future exists: a refusal changes nothing
+    // Before the Future exists, so a refusal changes nothing: a Future nobody drives would
+    // never complete (its wait() has no limit).
+    const std::string why = Progress::get().need_background();
+    TORCH_CHECK(why.empty(), "ccl ", describe(),
+                ": get_future() needs a thread to complete the Future and none could be started (", why,
+                "; the process is at its thread limit). The op was issued and is in flight on its tensors: where "
+                "the call returned a Work, Work.wait() completes it; a later op may ask for a Future again");
   }
   bool created_done = false;
   bool created_pending = false;
@@ -779,20 +785,17 @@ void Progress::waiter_left() {
   }
 }
 
-void Progress::need_background(const std::string& op) {
+std::string Progress::need_background() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (background_.joinable() || stop_) {
-    return;
+    return {};
   }
   try {
     background_ = std::thread([this] { background_loop(); });
   } catch (const std::system_error& e) {
-    // A Future nobody drives would never complete (its wait() has no limit): refuse it.
-    TORCH_CHECK(false, "ccl ", op, ": get_future() needs a thread to complete the Future and none could be started (",
-                e.what(), "; the process is at its thread limit). The op was issued and is in flight on its "
-                "tensors: where the call returned a Work, Work.wait() completes it; a later op may ask for a "
-                "Future again");
+    return e.what();
   }
+  return {};
 }
 
 void Progress::watch_future() {

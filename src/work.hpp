@@ -217,11 +217,11 @@ class Progress {
   // Progresses until no Work of `comm` is in flight or deferred (true), or until
   // `deadline` (false).
   bool drain(const Communicator& comm, Clock::time_point deadline, bool start = true);
+  // Starts the thread that completes Futures if it is not running (what getFuture() calls
+  // before it makes a Future); where no thread can be started, the reason, else empty.
+  std::string need_background();
   // A Future handed out for an unfinished Work: the background thread keeps
   // progressing while any is outstanding (its owner may never call wait()).
-  // Starts the thread that completes Futures if it is not running; where no thread can be
-  // started, raises naming `op` (what getFuture() calls before it makes a Future).
-  void need_background(const std::string& op);
   void watch_future();
   void unwatch_future() { watched_.fetch_sub(1); }
   void shutdown();

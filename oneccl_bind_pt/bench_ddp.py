@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from oneccl_bind_pt import _C
 from oneccl_bind_pt.bench import DTYPES, GROUP_ENV, check_choices, group_with, launch, print_table
 
 CONFIGS = ["ccl", "oneccl", "gloo", "local"]
@@ -228,6 +229,10 @@ def run(rank, world, args):
                                  "update_error_share_of_local": UPDATE_SHARE_OF_LOCAL}
                             for dt in results},
               "results": results}
+    # Whether the ccl configuration's large steps ran on helper threads (src/helpers.hpp):
+    # rank 0's splits over the whole run, and of them those that took idle helpers.
+    splits, idle_splits = _C._split_counts()
+    report["helpers"] = {"plan": _C.helpers(), "splits": splits, "idle_splits": idle_splits}
     rows = []
     for dt, by in results.items():
         for c, r in by.items():
@@ -242,6 +247,7 @@ def run(rank, world, args):
                 "errors against one process on all ranks' rows (local: its own rows only)",
                 ["dtype", "backend", "median ms", "p90 ms", "comm ms", "x oneccl", "x gloo", "grad err",
                  "update err", "correct"], rows)
+    print(f"rank 0: {report['helpers']['plan']}; {splits} splits on helpers, {idle_splits} of them with idle helpers")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

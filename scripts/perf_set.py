@@ -24,22 +24,23 @@ name already there is an error, not overwritten), then runs from a folder that i
 checkout:
 
   - python -m oneccl_bind_pt.bench_ddp at each of --ddp (the threads are OMP_NUM_THREADS;
-    part 1: 2 ranks x 8 threads and 4 x 4; part 2: 2 x 8 with DDP's gradient_as_bucket_view
-    and 2 x 7 with one oneCCL worker per rank; `2x8:helpers=2` is another form), first in
-    part 1, last in part 2 (which starts with its longest run, the 8-rank benchmark);
+    part 1: 2 ranks x 8 threads and 4 x 4, each as it comes and with idle helpers
+    (`2x8:idle=auto`); part 2: 2 x 8 with DDP's gradient_as_bucket_view and 2 x 7 with one
+    oneCCL worker per rank; `2x8:helpers=2` is another form), first in part 1, last in part 2 (which starts with its longest run, the 8-rank benchmark);
   - python -m oneccl_bind_pt.bench at each of --ranks (part 1: 2 and 4; part 2: 8), allreduce,
     allgather, reduce_scatter, alltoall, broadcast, sendrecv (--ops), --sizes (4 KiB to 64 MiB;
     part 2 without 64 KiB), with
     ccl, oneccl and oneccl+w, and pg at 2 ranks (float32 and bfloat16), single from 4 ranks
     (float32) (--backends, --many-backends, --many-dtypes);
-  - at 2 ranks, staged against single copy (--single-sizes, part 1): where reading peers
-    directly wins on this CPU;
+  - at 2 ranks, staged against single copy (--single-sizes, e.g. 256K,1M,4M,16M,64M): where
+    reading peers directly wins on this CPU;
   - at 2 ranks, the helper sweep: bench of our transport alone (pg) with ONECCL_BIND_PT_HELPERS
-    at each of --helpers (part 1: 0, 3, 6; `3:kernels=avx512` is another form), allreduce,
+    at each of --helpers (e.g. 0,3,6; `3:kernels=avx512` is another form), allreduce,
     allgather, reduce_scatter, broadcast, sendrecv, 1-64 MiB.
+    Run D answered both on the 16-core Xeon; no part runs them unless asked.
 
 A host lent 15 minutes in all takes the two parts as two calls one after the other
-(--part 1, about 435 s, then --part 2, about 250 s, each into its own --out: their files
+(--part 1, about 445 s, then --part 2, about 250 s, each into its own --out: their files
 share names); --part all runs both in one.
 
 Everything lands in one folder (--out, required), at most 8 files: perf.log (every
@@ -88,8 +89,10 @@ HELPER_SIZES = "1M,16M,64M"
 LIBS = {"libfabric.so.1": "impi-rt", "libtcp-fi.so": "impi-rt", "libshm-fi.so": "impi-rt",
         "librxm-fi.so": "impi-rt", "libhwloc.so.15": "tcmlib"}
 # bench_ddp runs may name knobs after a colon, e.g. 2x7:workers=1 (one oneCCL worker per rank
-# beside 7 torch threads), 2x6:helpers=2, or 2x8:view=1 (DDP with gradient_as_bucket_view).
-DDP_KNOBS = {"workers": "ONECCL_BIND_PT_WORKERS", "helpers": "ONECCL_BIND_PT_HELPERS"}
+# beside 7 torch threads), 2x6:helpers=2, 2x8:idle=auto (helpers only while the host has idle
+# cores: DDP's last buckets), or 2x8:view=1 (DDP with gradient_as_bucket_view).
+DDP_KNOBS = {"workers": "ONECCL_BIND_PT_WORKERS", "helpers": "ONECCL_BIND_PT_HELPERS",
+             "idle": "ONECCL_BIND_PT_IDLE_HELPERS"}
 DDP_FLAGS = {"view": "--bucket-view"}
 # Helper sweep entries: a count, optionally with the staging chunk, the kernels' instruction
 # set or the copy, e.g. 3:chunk=2M, 3:kernels=avx512, 0:copy=loop. Each knob's letter goes
@@ -102,8 +105,10 @@ HELPER_KNOBS = {"chunk": ("ONECCL_BIND_PT_SHM_CHUNK_BYTES", "c"), "kernels": ("O
 # 2 ranks ran past 140 s, four columns at 4 ranks took 122 s and at 8 ranks past 123 s, each
 # bench_ddp 40-60 s, each helper run 13-16 s. DDP, the number users feel, runs first in part 1;
 # part 2 starts with its longest run, the 8-rank benchmark, whose JSON is written only at its end.
-# Part 1, 435 s in run D: DDP 2x8 and 4x4; bench at 2 ranks (four columns, float32 and bfloat16)
-# with single copy against staging and the helper sweep; bench at 4 ranks.
+# Part 1, about 445 s: DDP 2x8 and 4x4, each by default and with idle helpers (the four runs
+# about 190 s); bench at 2 ranks (four columns, float32 and bfloat16, 119 s in run D) and at
+# 4 ranks (122 s). Run D's part 1 also ran staged against single copy and the helper sweep
+# (31 s and 60 s), which it answered: `--single-sizes` and `--helpers` bring them back.
 # Part 2, about 250 s: bench at 8 ranks (without 64 KiB: three columns and four sizes ran past
 # 105 s in run D); DDP with bucket views and with a oneCCL worker. (Run D answered the AVX-512
 # kernels against AVX2's, which part 2 swept before: no steady difference.)
@@ -116,13 +121,12 @@ COMMON = dict(dtypes="float32,bfloat16", sizes="4K,64K,1M,16M,64M", seconds=0.02
               backends="ccl,pg,oneccl,oneccl+w", many_backends="ccl,single,oneccl,oneccl+w", many_dtypes="float32",
               ddp_args=["--steps", "5"])
 PARTS = {
-    "1": dict(COMMON, ranks="2,4", helpers="0,3,6", single_sizes="256K,1M,4M,16M,64M", ddp="2x8,4x4",
+    "1": dict(COMMON, ranks="2,4", helpers="", single_sizes="", ddp="2x8,2x8:idle=auto,4x4,4x4:idle=auto",
               budget=450, step_timeout=150, ddp_first=True),
     "2": dict(COMMON, ranks="8", sizes="4K,1M,16M,64M", helpers="", single_sizes="",
               ddp="2x8:view=1,2x7:workers=1", budget=300, step_timeout=200, ddp_first=False),
 }
-PARTS["all"] = dict(COMMON, ranks="2,4,8", helpers="0,3,6",
-                    single_sizes=PARTS["1"]["single_sizes"], ddp="2x8,4x4,2x8:view=1,2x7:workers=1",
+PARTS["all"] = dict(COMMON, ranks="2,4,8", helpers="", single_sizes="", ddp=PARTS["1"]["ddp"] + "," + PARTS["2"]["ddp"],
                     budget=760, step_timeout=200, ddp_first=True)
 QUICK = dict(ranks="2", dtypes="float32", sizes="4K,1M", seconds=0.02, rounds=2, backends="", many_backends="",
              many_dtypes="", helpers="0,1", single_sizes="1M", ddp="2x1", budget=570, step_timeout=150, ddp_first=True,

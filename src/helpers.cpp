@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <xmmintrin.h>
 #include <sched.h>
@@ -15,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <climits>
+#include <cstring>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
@@ -216,6 +218,28 @@ std::string of(int n, const char* what) {
   return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
 }
 
+// The CPUs the idle helpers' share comes from (this process's, and no more than a
+// container's CPU quota) and the ranks on this host, set with the plan.
+int g_allowed = 1;
+int g_local = 1;
+
+// A whole number from 0 to kMaxHelpersAsked in `name`, or -1 where unset or empty;
+// "auto" (where `automatic` allows it) gives -2.
+int asked_count(const char* name, bool automatic) {
+  const char* asked = std::getenv(name);
+  if (!asked || !*asked) {
+    return -1;
+  }
+  if (automatic && std::string(asked) == "auto") {
+    return -2;
+  }
+  char* end = nullptr;
+  const long x = std::strtol(asked, &end, 10);
+  TORCH_CHECK_VALUE(*end == '\0' && x >= 0 && x <= kMaxHelpersAsked, name, "=", asked,
+                    " is not a whole number from 0 to ", kMaxHelpersAsked, automatic ? " or auto" : "");
+  return static_cast<int>(x);
+}
+
 HelperPlan choose() {
   HelperPlan plan;
   CPU_ZERO(&g_mask);
@@ -224,25 +248,44 @@ HelperPlan choose() {
       CPU_SET(c, &g_mask);
     }
   }
-  if (const char* asked = std::getenv("ONECCL_BIND_PT_HELPERS"); asked && *asked) {
-    char* end = nullptr;
-    const long x = std::strtol(asked, &end, 10);
-    TORCH_CHECK_VALUE(*end == '\0' && x >= 0 && x <= kMaxHelpersAsked, "ONECCL_BIND_PT_HELPERS=", asked,
-                      " is not a whole number from 0 to ", kMaxHelpersAsked);
-    plan.count = static_cast<int>(x);
-    plan.description = "helpers " + std::to_string(plan.count) + " (ONECCL_BIND_PT_HELPERS)";
-    return plan;
-  }
+  const int forced = asked_count("ONECCL_BIND_PT_HELPERS", false);
+  const int idle = asked_count("ONECCL_BIND_PT_IDLE_HELPERS", true);
   const int local = local_ranks();
-  const RankCores mine = rank_cores(local);
-  const int compute = std::max(1, at::get_num_threads());
   const int workers = oneccl_workers();
-  // In long: an absurd CCL_WORKER_COUNT (read up to INT32_MAX) must not wrap to a large count.
-  plan.count = static_cast<int>(std::clamp<long>(static_cast<long>(mine.cores) - compute - workers, 0, kMaxHelpers));
-  plan.description = "helpers " + std::to_string(plan.count) + " (" + of(mine.cores, "core") + " for this rank: " +
-      mine.why + "; less " + of(compute, "torch thread") +
-      (workers > 0 ? "; less " + of(workers, "oneCCL worker") : std::string()) + "; at most " +
-      std::to_string(kMaxHelpers) + "; ONECCL_BIND_PT_HELPERS sets it)";
+  RankCores mine;
+  if (forced < 0 || idle == -2) {
+    mine = rank_cores(local);
+  }
+  if (forced >= 0) {
+    plan.count = forced;
+    plan.description = "helpers " + std::to_string(plan.count) + " (ONECCL_BIND_PT_HELPERS)";
+  } else {
+    const int compute = std::max(1, at::get_num_threads());
+    // In long: an absurd CCL_WORKER_COUNT (read up to INT32_MAX) must not wrap to a large count.
+    plan.count = static_cast<int>(std::clamp<long>(static_cast<long>(mine.cores) - compute - workers, 0, kMaxHelpers));
+    plan.description = "helpers " + std::to_string(plan.count) + " (" + of(mine.cores, "core") + " for this rank: " +
+        mine.why + "; less " + of(compute, "torch thread") +
+        (workers > 0 ? "; less " + of(workers, "oneCCL worker") : std::string()) + "; at most " +
+        std::to_string(kMaxHelpers) + "; ONECCL_BIND_PT_HELPERS sets it)";
+  }
+  if (idle == -2) {
+    // Every core of the rank but the one running the op and oneCCL's workers', at most
+    // kMaxHelpers with the others.
+    plan.idle = static_cast<int>(std::clamp<long>(static_cast<long>(mine.cores) - 1 - workers - plan.count, 0,
+                                                  std::max(0, kMaxHelpers - plan.count)));
+    plan.description += "; up to " + std::to_string(plan.idle) + " more while the host has idle cores (" +
+        of(mine.cores, "core") + " less the op's thread" + (workers > 0 ? " and " + of(workers, "oneCCL worker") : "") +
+        "; ONECCL_BIND_PT_IDLE_HELPERS=auto)";
+  } else if (idle > 0) {
+    plan.idle = idle;
+    plan.description += "; up to " + std::to_string(plan.idle) + " more while the host has idle cores (ONECCL_BIND_PT_IDLE_HELPERS)";
+  }
+  const Container box = container();
+  g_allowed = std::max(1, CPU_COUNT(&g_mask));
+  if (box.quota > 0) {
+    g_allowed = std::min(g_allowed, box.quota);
+  }
+  g_local = local;
   return plan;
 }
 
@@ -272,6 +315,9 @@ class Pool {
       }
     }
   }
+
+  // Helpers not asleep (spinning for the next split, or working): runnable threads of ours.
+  int awake() const { return awake_.load(std::memory_order_relaxed); }
 
   // False when another thread's split holds the pool.
   bool run(size_t total, size_t align, int pieces, Part part, void* ctx) {
@@ -339,6 +385,7 @@ class Pool {
   void loop() {
     pthread_setname_np(pthread_self(), "ccl-helper");
     pthread_setaffinity_np(pthread_self(), sizeof g_mask, &g_mask);
+    awake_.fetch_add(1, std::memory_order_relaxed);
     int seen = 0;
     for (;;) {
       const auto until = std::chrono::steady_clock::now() + kSpinFor;
@@ -347,7 +394,9 @@ class Pool {
         if (++spins % 64 != 0 || std::chrono::steady_clock::now() < until) {
           __builtin_ia32_pause();
         } else {
+          awake_.fetch_sub(1, std::memory_order_relaxed);
           generation_.wait(seen, std::memory_order_acquire);
+          awake_.fetch_add(1, std::memory_order_relaxed);
         }
       }
       seen = now;
@@ -360,6 +409,7 @@ class Pool {
   alignas(64) std::atomic<int> generation_{0};   // what helpers sleep on
   alignas(64) std::atomic<uint64_t> claims_{0};
   alignas(64) std::atomic<int> done_{0};
+  alignas(64) std::atomic<int> awake_{0};
   // The split under way: written before claims_ (release), read after a claim.
   alignas(64) size_t total_ = 0;
   size_t align_ = 1;
@@ -375,7 +425,7 @@ pthread_mutex_t g_making = PTHREAD_MUTEX_INITIALIZER;
 
 Pool* pool() {
   Pool* p = g_pool.load(std::memory_order_acquire);
-  if (p || helper_plan().count == 0) {
+  if (p || helper_plan().count + helper_plan().idle == 0) {
     return p;
   }
   pthread_mutex_lock(&g_making);
@@ -384,13 +434,71 @@ Pool* pool() {
   } unlock;
   p = g_pool.load(std::memory_order_acquire);
   if (!p) {
-    p = new Pool(helper_plan().count); // lives as long as the process
+    p = new Pool(helper_plan().count + helper_plan().idle); // lives as long as the process
     g_pool.store(p, std::memory_order_release);
   }
   return p;
 }
 
+std::atomic<uint64_t> g_splits{0};
+std::atomic<uint64_t> g_idle_splits{0};
+
+// The idle helpers' share, read again at most this often: reading costs a few
+// microseconds, a staged step of a large collective takes tens to hundreds.
+constexpr auto kReadIdleEvery = std::chrono::microseconds(200);
+std::atomic<int64_t> g_idle_until{0};
+std::atomic<int> g_idle_now{0};
+
+int idle_now(int most) {
+  const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+  if (now >= g_idle_until.load(std::memory_order_relaxed)) {
+    // Threads splitting at once may both read: harmless, either value is recent.
+    g_idle_until.store(now + std::chrono::nanoseconds(kReadIdleEvery).count(), std::memory_order_relaxed);
+    const Pool* p = g_pool.load(std::memory_order_acquire);
+    const int running = runnable_threads();
+    g_idle_now.store(running < 0 ? 0 : idle_share(g_allowed, running, p ? p->awake() : 0, g_local, most),
+                     std::memory_order_relaxed);
+  }
+  return g_idle_now.load(std::memory_order_relaxed);
+}
+
 } // namespace
+
+int idle_share(int allowed, int running, int awake, int local, int most) {
+  local = std::max(1, local);
+  const long free = static_cast<long>(allowed) - running + static_cast<long>(awake) * local;
+  return static_cast<int>(std::clamp<long>(free / local, 0, std::max(0, most)));
+}
+
+int runnable_threads() {
+  // Opened once: pread at 0 renders the file anew each time.
+  static const int fd = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return -1;
+  }
+  char text[128];
+  const ssize_t n = ::pread(fd, text, sizeof text - 1, 0);
+  if (n <= 0) {
+    return -1;
+  }
+  text[n] = '\0';
+  // "0.52 0.58 0.59 3/512 12345": runnable / all scheduling entities
+  const char* at = text;
+  for (int field = 0; field < 3; ++field) {
+    at = std::strchr(at, ' ');
+    if (!at) {
+      return -1;
+    }
+    ++at;
+  }
+  char* end = nullptr;
+  const long running = std::strtol(at, &end, 10);
+  return end == at || *end != '/' ? -1 : static_cast<int>(std::min<long>(running, INT32_MAX));
+}
+
+std::pair<uint64_t, uint64_t> split_counts() {
+  return {g_splits.load(std::memory_order_relaxed), g_idle_splits.load(std::memory_order_relaxed)};
+}
 
 void forget_helpers_in_child() {
   g_pool.store(nullptr, std::memory_order_relaxed); // the parent's: left, its threads are not here
@@ -443,12 +551,22 @@ const HelperPlan& helper_plan() {
 }
 
 void split(size_t total, size_t align, size_t min_per_piece, Part part, void* ctx) {
-  const int helpers = helper_plan().count;
+  const HelperPlan& plan = helper_plan();
   const size_t units_per_piece = std::max<size_t>(align, min_per_piece);
-  const int pieces = static_cast<int>(std::min<size_t>(helpers + 1, total / units_per_piece));
+  const size_t most = total / units_per_piece;
+  int helpers = plan.count;
+  if (plan.idle > 0 && most > static_cast<size_t>(helpers) + 1) {
+    helpers += idle_now(plan.idle);
+  }
+  const int pieces = static_cast<int>(std::min<size_t>(helpers + 1, most));
   Pool* p = pieces > 1 ? pool() : nullptr;
   if (!p || !p->run(total, align, pieces, part, ctx)) {
     part(ctx, 0, total);
+    return;
+  }
+  g_splits.fetch_add(1, std::memory_order_relaxed);
+  if (pieces > plan.count + 1) {
+    g_idle_splits.fetch_add(1, std::memory_order_relaxed);
   }
 }
 

@@ -13,15 +13,22 @@
 // core gets none, and a rank whose compute uses every core it has gets none. Helpers run on the CPUs the
 // process had then, take no asynchronous signals, spin 50 us after a split,
 // then sleep; a thread that cannot be started leaves fewer helpers.
+//
+// Idle helpers (ONECCL_BIND_PT_IDLE_HELPERS, off unless set): more threads, used by a split
+// only while the host's runnable threads leave cores free, e.g. DDP's last buckets after
+// the backward pass, when the cores torch's threads computed on go idle.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <utility>
 #include <string>
 
 namespace oneccl_bind_pt {
 
 struct HelperPlan {
   int count = 0;            // threads besides the one running the collective
+  int idle = 0;             // more, used only while the host has idle cores
   std::string description;  // one line for the doctor: the count and why
 };
 
@@ -45,6 +52,15 @@ int local_ranks();
 // Chosen once per process; throws c10::ValueError for an ONECCL_BIND_PT_HELPERS
 // that is not a whole number from 0 to kMaxHelpersAsked.
 const HelperPlan& helper_plan();
+
+// The idle helpers a split may use now: the CPUs this process may use less the host's
+// runnable threads (helpers awake count as idle: this rank's `awake`, as many for each
+// other local rank), divided among the `local` ranks; from 0 to `most`.
+int idle_share(int allowed, int running, int awake, int local, int most);
+// The host's runnable threads now (/proc/loadavg's fourth field), -1 where unknown.
+int runnable_threads();
+// Splits that ran on helpers, and of them those that used idle helpers (process totals).
+std::pair<uint64_t, uint64_t> split_counts();
 
 // part(ctx, lo, hi) over pieces covering [0, total), each boundary a multiple of
 // `align`, run at once on the helpers and on this thread; returns when all are done.

@@ -170,6 +170,21 @@ PYBIND11_MODULE(_C, m) {
       [] { return oneccl_bind_pt::helper_plan().description; },
       "How many helper threads split this process's large copies and reductions, and why.");
   m.def(
+      "_idle_share",
+      &oneccl_bind_pt::idle_share,
+      py::arg("allowed"),
+      py::arg("running"),
+      py::arg("awake"),
+      py::arg("local"),
+      py::arg("most"),
+      "The idle helpers a split may use with `running` runnable threads on the host, `awake` of them "
+      "this rank's helpers, on `allowed` CPUs shared by `local` ranks, at most `most`.");
+  m.def("_runnable_threads", &oneccl_bind_pt::runnable_threads, "The host's runnable threads now (-1: unknown).");
+  m.def(
+      "_split_counts",
+      [] { return oneccl_bind_pt::split_counts(); },
+      "(splits run on helpers, of them those that used idle helpers) in this process so far.");
+  m.def(
       "rank_cores",
       [](int local_ranks) {
         const auto r = oneccl_bind_pt::rank_cores(local_ranks);

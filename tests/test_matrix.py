@@ -207,10 +207,13 @@ def test_an_unknown_kernel_or_copy_name_fails_the_group_with_its_name(var):
 # Sizes are above the 256 KiB split and the 2 MiB staging chunk, with odd tails, through the
 # staging buffers and through single copy; values are worked out from the inputs.
 
-def _helper_split(rank, world, path, helpers):
+def _helper_split(rank, world, path, helpers, idle=0):
     from oneccl_bind_pt import _C
 
-    assert _C.helpers().startswith(f"helpers {helpers} (ONECCL_BIND_PT_HELPERS)"), _C.helpers()
+    said = f"helpers {helpers} (ONECCL_BIND_PT_HELPERS)"
+    if idle:
+        said += f"; up to {idle} more while the host has idle cores (ONECCL_BIND_PT_IDLE_HELPERS)"
+    assert _C.helpers() == said, _C.helpers()
     taken = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     assert taken._path("allreduce", 8 << 20) == path, taken._path("allreduce", 8 << 20)
     problems = []
@@ -268,7 +271,7 @@ def _helper_split(rank, world, path, helpers):
             w.wait()
         for i, s in enumerate(sizes):
             check(f"recv of {s} B from rank {peer}", got[i], raw_data(peer, torch.uint8, (s,), salt=s))
-    return problems, helper_threads()
+    return problems, helper_threads(), _C._split_counts()
 
 
 @pytest.mark.parametrize("path", ["shm", "cma"])
@@ -277,9 +280,57 @@ def test_helper_threads_split_large_messages_exactly(world, path):
     # shm: staged at every size (on Intel CPUs the default reads an 8 MiB allreduce directly).
     forced = {"shm": {"ONECCL_BIND_PT_SHM_SINGLE_COPY": "0"}, "cma": PATHS["cma"]}[path]
     env = {**TRANSPORTS["shm"], "ONECCL_BIND_PT_HELPERS": "3", **forced}
-    for rank, (problems, threads) in enumerate(run_ranks(_helper_split, world, path, 3, env=env, timeout=600)):
+    for rank, (problems, threads, _) in enumerate(run_ranks(_helper_split, world, path, 3, env=env, timeout=600)):
         assert not problems, f"rank {rank}: {problems}"
         assert threads == 3, f"rank {rank}: {threads} helper threads, 3 asked for: the work was never split"
+
+
+# Idle helpers (ONECCL_BIND_PT_IDLE_HELPERS): more threads that a split takes only while the
+# host's runnable threads leave cores free (src/helpers.hpp). Whether they open here depends on
+# this machine's load, so the exactness check runs with them and one helper that is always
+# used; the share itself is checked below from given numbers, and the reading under load.
+def test_idle_helpers_split_large_messages_exactly():
+    env = {**TRANSPORTS["shm"], "ONECCL_BIND_PT_HELPERS": "1", "ONECCL_BIND_PT_IDLE_HELPERS": "2",
+           "ONECCL_BIND_PT_SHM_SINGLE_COPY": "0"}
+    for rank, (problems, threads, (splits, idle)) in enumerate(
+            run_ranks(_helper_split, 2, "shm", 1, 2, env=env, timeout=600)):
+        assert not problems, f"rank {rank}: {problems}"
+        assert threads == 3, f"rank {rank}: {threads} helper threads: 1 and 2 idle ones asked for"
+        assert splits > 0 and 0 <= idle <= splits, (rank, splits, idle)
+
+
+@pytest.mark.parametrize("allowed, running, awake, local, most, share", [
+    (16, 2, 0, 2, 6, 6),    # DDP's last buckets on 2 ranks x 8 threads: only the ops' threads run
+    (16, 18, 0, 2, 6, 0),   # its backward pass: 16 torch threads and the 2 ops' threads
+    (16, 14, 6, 2, 6, 6),   # the ranks' own helpers, awake, count as idle cores
+    (16, 16, 2, 2, 6, 2),   # 16 runnable of which 2 x 2 helpers: 4 free, 2 each
+    (16, 10, 0, 4, 6, 1),   # 6 free cores among 4 ranks
+    (2, 3, 0, 1, 4, 0),     # more runnable than CPUs
+    (2, 1, 0, 1, 4, 1),
+    (8, 0, 0, 0, 6, 6),     # no local ranks known: one
+    (16, 1, 0, 1, 0, 0),    # none asked for
+])
+def test_idle_helpers_share_the_cores_the_host_leaves_idle(allowed, running, awake, local, most, share):
+    from oneccl_bind_pt import _C
+
+    assert _C._idle_share(allowed, running, awake, local, most) == share
+
+
+def test_runnable_threads_count_busy_processes():
+    # Three busy processes are always runnable, and so is the reader: every read says 4 or more.
+    from oneccl_bind_pt import _C
+
+    spin = "import sys; print('spinning', flush=True)\nwhile True: pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    try:
+        for h in hogs:
+            assert h.stdout.readline().strip() == "spinning"
+        reads = [_C._runnable_threads() for _ in range(50)]
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert min(reads) >= 4, reads
 
 
 def _default_helpers(rank, world):
@@ -336,6 +387,22 @@ def test_helper_count_follows_the_cores_a_rank_has(local, threads, pinned, worke
         assert want >= 1, "a rank alone with one torch thread on a multi-core host gets a helper"
 
 
+def test_idle_helpers_auto_take_the_cores_but_the_ops_thread():
+    # ONECCL_BIND_PT_IDLE_HELPERS=auto: every core of the rank but the op's own thread and the
+    # helpers it always has, at most 6 helpers in all; with every core computing (the torch
+    # threads take them all) the helpers proper are none and the idle ones the rest.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CCL_WORKER_", "ONECCL_BIND_PT_HELPERS"))}
+    cpus = len(os.sched_getaffinity(0))
+    env.update(CCL_LOCAL_SIZE="1", OMP_NUM_THREADS=str(cpus), ONECCL_BIND_PT_IDLE_HELPERS="auto")
+    cmd = [sys.executable, "-c", "import oneccl_bind_pt; print(oneccl_bind_pt._C.helpers())"]
+    said = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    if "a CPU quota" in said:
+        pytest.skip(f"a container's CPU quota decides here: {said}")
+    idle = min(6, cpus - 1)
+    assert said.startswith("helpers 0 (") and f"; up to {idle} more while the host has idle cores (" in said, said
+    assert said.endswith("ONECCL_BIND_PT_IDLE_HELPERS=auto)"), said
+
+
 # ---- oneCCL's worker threads ----------------------------------------------------------------
 # Where oneCCL carries the collectives (ranks on other hosts, or ONECCL_BIND_PT_SHM=0) and a
 # rank has spare cores, oneCCL's worker threads progress its ops (oneccl_bind_pt/_env.py,
@@ -387,8 +454,9 @@ def test_oneccl_worker_threads_carry_collectives_exactly():
     assert [b - a for a, b in zip(threads[0], threads[1])] == [1, 1], threads
 
 
-def test_an_unknown_helper_count_fails_the_group_with_its_name():
+@pytest.mark.parametrize("var, accepts", [("ONECCL_BIND_PT_HELPERS", ""), ("ONECCL_BIND_PT_IDLE_HELPERS", " or auto")])
+def test_an_unknown_helper_count_fails_the_group_with_its_name(var, accepts):
     with pytest.raises(RankFailure) as caught:
-        run_ranks(_never_runs, 2, env={"ONECCL_BIND_PT_HELPERS": "many"}, timeout=120)
+        run_ranks(_never_runs, 2, env={var: "many"}, timeout=120)
     text = str(caught.value)
-    assert "ValueError: ONECCL_BIND_PT_HELPERS=many is not a whole number from 0 to 64" in text, text
+    assert f"ValueError: {var}=many is not a whole number from 0 to 64{accepts}" in text, text

@@ -80,7 +80,7 @@ def test_the_two_parts_split_the_set_and_narrow_the_runs_from_4_ranks(tmp_path):
     assert [n for n in both if n in one] == list(one), list(both)  # part 1's order within all
     # Part 1 starts with DDP; part 2 with its longest run (bench writes its JSON only at its end),
     # and DDP last: a budget cuts the last runs.
-    assert list(one)[:2] == [n for n in one if n.startswith("bench_ddp")], list(one)
+    assert list(one)[:4] == [n for n in one if n.startswith("bench_ddp")], list(one)
     assert list(two) == ["bench 8 ranks", "bench_ddp 2 ranks x 8 threads view=1",
                          "bench_ddp 2 ranks x 7 threads workers=1"], list(two)
     assert _option(two["bench 8 ranks"][0], "--sizes") == "4K,1M,16M,64M"
@@ -90,19 +90,24 @@ def test_the_two_parts_split_the_set_and_narrow_the_runs_from_4_ranks(tmp_path):
     for n, runs in ((4, one), (8, two)):
         cmd, _ = runs[f"bench {n} ranks"]
         assert _option(cmd, "--dtypes") == "float32" and _option(cmd, "--backends") == "ccl,single,oneccl,oneccl+w"
-    assert one["bench 2 ranks, 6 helpers"][1] == {"ONECCL_BIND_PT_HELPERS": "6"}
+    assert one["bench_ddp 2 ranks x 8 threads idle=auto"][1] == {"OMP_NUM_THREADS": "8",
+                                                                "ONECCL_BIND_PT_IDLE_HELPERS": "auto"}
+    assert one["bench_ddp 2 ranks x 8 threads"][1] == {"OMP_NUM_THREADS": "8"}
     assert "--bucket-view" in two["bench_ddp 2 ranks x 8 threads view=1"][0]
     assert "--bucket-view" not in one["bench_ddp 2 ranks x 8 threads"][0]
     assert two["bench_ddp 2 ranks x 7 threads workers=1"][1] == {"OMP_NUM_THREADS": "7", "ONECCL_BIND_PT_WORKERS": "1"}
     chunk = _planned(tmp_path / "c", "--part", "2", "--helpers", "3:chunk=2M;copy=loop,3:kernels=avx512", "--ranks", "",
                      "--ddp", "")
     assert list(chunk) == ["bench 2 ranks, 3 helpers chunk=2M;copy=loop", "bench 2 ranks, 3 helpers kernels=avx512"]
+    assert _planned(tmp_path / "h", "--part", "1", "--helpers", "6", "--ranks", "", "--ddp", "")[
+        "bench 2 ranks, 6 helpers"][1] == {"ONECCL_BIND_PT_HELPERS": "6"}
     assert chunk["bench 2 ranks, 3 helpers chunk=2M;copy=loop"][1] == {
         "ONECCL_BIND_PT_HELPERS": "3", "ONECCL_BIND_PT_SHM_CHUNK_BYTES": "2M", "ONECCL_BIND_PT_COPY": "loop"}
     assert chunk["bench 2 ranks, 3 helpers kernels=avx512"][1] == {"ONECCL_BIND_PT_HELPERS": "3",
                                                                   "ONECCL_BIND_PT_KERNELS": "avx512"}
     # --ops narrows every benchmark of ranks and the staged-against-single run, not the helper sweep.
-    narrow = _planned(tmp_path / "o", "--part", "1", "--ops", "allgather,alltoall", "--ddp", "", "--helpers", "0")
+    narrow = _planned(tmp_path / "o", "--part", "1", "--ops", "allgather,alltoall", "--ddp", "", "--helpers", "0",
+                      "--single-sizes", "1M")
     assert {n: _option(c, "--ops") for n, (c, _) in narrow.items()} == {
         "bench 2 ranks": "allgather,alltoall", "bench 2 ranks, staged against single copy": "allgather,alltoall",
         "bench 2 ranks, 0 helpers": "allreduce,allgather,reduce_scatter,broadcast,sendrecv",

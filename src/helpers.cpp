@@ -38,6 +38,7 @@ namespace {
 // 1.1-1.2x (one run, docs/performance.md, run C).
 constexpr int kMaxHelpers = 6;
 constexpr int kMaxHelpersAsked = 64;
+constexpr int kMaxIdleCpus = 1 << 16;
 // After its piece a helper spins this long for the next split (the next chunk of
 // the same collective comes after one meeting of the ranks), then sleeps.
 constexpr auto kSpinFor = std::chrono::microseconds(50);
@@ -222,10 +223,11 @@ std::string of(int n, const char* what) {
 // container's CPU quota) and the ranks on this host, set with the plan.
 int g_allowed = 1;
 int g_local = 1;
+int g_loadavg = -1; // /proc/loadavg, opened with the plan where it has idle helpers
 
-// A whole number from 0 to kMaxHelpersAsked in `name`, or -1 where unset or empty;
-// "auto" (where `automatic` allows it) gives -2.
-int asked_count(const char* name, bool automatic) {
+// A whole number from `least` to `most` in `name`, or -1 where unset or empty; "auto"
+// (where `automatic` allows it) gives -2.
+int asked_count(const char* name, bool automatic, int least = 0, int most = kMaxHelpersAsked) {
   const char* asked = std::getenv(name);
   if (!asked || !*asked) {
     return -1;
@@ -235,8 +237,8 @@ int asked_count(const char* name, bool automatic) {
   }
   char* end = nullptr;
   const long x = std::strtol(asked, &end, 10);
-  TORCH_CHECK_VALUE(*end == '\0' && x >= 0 && x <= kMaxHelpersAsked, name, "=", asked,
-                    " is not a whole number from 0 to ", kMaxHelpersAsked, automatic ? " or auto" : "");
+  TORCH_CHECK_VALUE(*end == '\0' && x >= least && x <= most, name, "=", asked,
+                    " is not a whole number from ", least, " to ", most, automatic ? " or auto" : "");
   return static_cast<int>(x);
 }
 
@@ -250,6 +252,7 @@ HelperPlan choose() {
   }
   const int forced = asked_count("ONECCL_BIND_PT_HELPERS", false);
   const int idle = asked_count("ONECCL_BIND_PT_IDLE_HELPERS", true);
+  const int idle_cpus = asked_count("ONECCL_BIND_PT_IDLE_CPUS", false, 1, kMaxIdleCpus);
   const int local = local_ranks();
   const int workers = oneccl_workers();
   RankCores mine;
@@ -280,10 +283,22 @@ HelperPlan choose() {
     plan.idle = idle;
     plan.description += "; up to " + std::to_string(plan.idle) + " more while the host has idle cores (ONECCL_BIND_PT_IDLE_HELPERS)";
   }
+  // What /proc/loadavg's count of runnable threads is out of: the host's CPUs, or a
+  // container's (its cpuset, its CPU quota), not this rank's own narrower set.
   const Container box = container();
-  g_allowed = std::max(1, CPU_COUNT(&g_mask));
+  const int online = static_cast<int>(std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN)));
+  g_allowed = box.cpuset > 0 ? std::min(box.cpuset, online) : online;
   if (box.quota > 0) {
     g_allowed = std::min(g_allowed, box.quota);
+  }
+  if (plan.idle > 0) {
+    g_loadavg = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC); // once, with the plan
+  }
+  if (idle_cpus > 0) {
+    g_allowed = idle_cpus;
+    if (plan.idle > 0) {
+      plan.description += "; idle cores counted among " + of(idle_cpus, "CPU") + " (ONECCL_BIND_PT_IDLE_CPUS)";
+    }
   }
   g_local = local;
   return plan;
@@ -294,7 +309,9 @@ HelperPlan choose() {
 // caller only waits for pieces already under way.
 class Pool {
  public:
-  explicit Pool(int helpers) {
+  // `always` helpers wake for every split; the rest (idle helpers) only for a split that
+  // has pieces for them, so a split while the host is busy leaves them asleep.
+  Pool(int always, int helpers) : always_(always) {
     // Helpers take no asynchronous signals: Python's handlers and the launchers' signals
     // stay the main thread's business. A fault in a helper still reaches the handlers.
     sigset_t mask, old;
@@ -309,7 +326,7 @@ class Pool {
     } restore{&old};
     for (int i = 0; i < helpers; ++i) {
       try {
-        std::thread([this] { loop(); }).detach();
+        std::thread([this, i] { loop(i < always_ ? generation_ : idle_generation_); }).detach();
       } catch (const std::system_error&) {
         break; // no more threads to be had (a pids limit): fewer helpers, the caller claims the rest
       }
@@ -337,6 +354,10 @@ class Pool {
     // A read-modify-write: notify_all's check for sleepers cannot move ahead of it.
     generation_.exchange(static_cast<int>(g), std::memory_order_seq_cst);
     generation_.notify_all();
+    if (pieces > always_ + 1) {
+      idle_generation_.exchange(static_cast<int>(g), std::memory_order_seq_cst);
+      idle_generation_.notify_all();
+    }
     work(g);
     for (unsigned spins = 0; done_.load(std::memory_order_acquire) != pieces;) {
       // Yields too: with helpers asked for beyond the cores, a helper needs this core.
@@ -382,7 +403,7 @@ class Pool {
     }
   }
 
-  void loop() {
+  void loop(std::atomic<int>& generation) {
     pthread_setname_np(pthread_self(), "ccl-helper");
     pthread_setaffinity_np(pthread_self(), sizeof g_mask, &g_mask);
     awake_.fetch_add(1, std::memory_order_relaxed);
@@ -390,12 +411,12 @@ class Pool {
     for (;;) {
       const auto until = std::chrono::steady_clock::now() + kSpinFor;
       int now;
-      for (unsigned spins = 0; (now = generation_.load(std::memory_order_acquire)) == seen;) {
+      for (unsigned spins = 0; (now = generation.load(std::memory_order_acquire)) == seen;) {
         if (++spins % 64 != 0 || std::chrono::steady_clock::now() < until) {
           __builtin_ia32_pause();
         } else {
           awake_.fetch_sub(1, std::memory_order_relaxed);
-          generation_.wait(seen, std::memory_order_acquire);
+          generation.wait(seen, std::memory_order_acquire);
           awake_.fetch_add(1, std::memory_order_relaxed);
         }
       }
@@ -406,7 +427,9 @@ class Pool {
 
   std::mutex use_;
   uint32_t generation_count_ = 0;                // the caller's, under use_
+  const int always_;
   alignas(64) std::atomic<int> generation_{0};   // what helpers sleep on
+  alignas(64) std::atomic<int> idle_generation_{0}; // and idle helpers
   alignas(64) std::atomic<uint64_t> claims_{0};
   alignas(64) std::atomic<int> done_{0};
   alignas(64) std::atomic<int> awake_{0};
@@ -434,7 +457,7 @@ Pool* pool() {
   } unlock;
   p = g_pool.load(std::memory_order_acquire);
   if (!p) {
-    p = new Pool(helper_plan().count + helper_plan().idle); // lives as long as the process
+    p = new Pool(helper_plan().count, helper_plan().count + helper_plan().idle); // lives as long as the process
     g_pool.store(p, std::memory_order_release);
   }
   return p;
@@ -471,13 +494,21 @@ int idle_share(int allowed, int running, int awake, int local, int most) {
 }
 
 int runnable_threads() {
-  // Opened once: pread at 0 renders the file anew each time.
-  static const int fd = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+  // pread at 0 renders the file anew each time.
+  int fd = g_loadavg;
+  bool own = false;
+  if (fd < 0) {
+    fd = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC); // a caller outside the plan (tests, the doctor)
+    own = true;
+  }
   if (fd < 0) {
     return -1;
   }
   char text[128];
   const ssize_t n = ::pread(fd, text, sizeof text - 1, 0);
+  if (own) {
+    ::close(fd);
+  }
   if (n <= 0) {
     return -1;
   }
@@ -493,7 +524,13 @@ int runnable_threads() {
   }
   char* end = nullptr;
   const long running = std::strtol(at, &end, 10);
-  return end == at || *end != '/' ? -1 : static_cast<int>(std::min<long>(running, INT32_MAX));
+  // At least the reader runs: 0 is a count this kernel (or sandbox) does not keep.
+  return end == at || *end != '/' || running < 1 ? -1 : static_cast<int>(std::min<long>(running, INT32_MAX));
+}
+
+bool may_split() {
+  const HelperPlan& plan = helper_plan();
+  return plan.count + plan.idle > 0;
 }
 
 std::pair<uint64_t, uint64_t> split_counts() {
@@ -502,6 +539,9 @@ std::pair<uint64_t, uint64_t> split_counts() {
 
 void forget_helpers_in_child() {
   g_pool.store(nullptr, std::memory_order_relaxed); // the parent's: left, its threads are not here
+  g_splits.store(0, std::memory_order_relaxed);
+  g_idle_splits.store(0, std::memory_order_relaxed);
+  g_idle_until.store(0, std::memory_order_relaxed);
   pthread_mutex_init(&g_making, nullptr);
 }
 

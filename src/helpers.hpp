@@ -53,6 +53,10 @@ int local_ranks();
 // that is not a whole number from 0 to kMaxHelpersAsked.
 const HelperPlan& helper_plan();
 
+// Whether a split may run on helpers at all (always-used or idle ones): below, a copy or
+// reduction runs on the calling thread without asking.
+bool may_split();
+
 // The idle helpers a split may use now: the CPUs this process may use less the host's
 // runnable threads (helpers awake count as idle: this rank's `awake`, as many for each
 // other local rank), divided among the `local` ranks; from 0 to `most`.

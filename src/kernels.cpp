@@ -214,7 +214,7 @@ struct ReduceJob {
 } // namespace
 
 void copy_bytes(void* dst, const void* src, size_t n) {
-  if (n < kSplitFrom || helper_plan().count == 0) {
+  if (n < kSplitFrom || !may_split()) {
     copy_here(dst, src, n);
     return;
   }
@@ -226,6 +226,8 @@ void copy_bytes(void* dst, const void* src, size_t n) {
 }
 
 bool copies_split() {
+  // The helpers a split always has: send/recv's batches of ring slots are sized for them,
+  // not for idle helpers that may or may not be there.
   return helper_plan().count > 0;
 }
 
@@ -234,7 +236,7 @@ void copy_ranges(const CopyRange* ranges, size_t count) {
   for (size_t i = 0; i < count; ++i) {
     total += ranges[i].n;
   }
-  if (total < kSplitFrom || helper_plan().count == 0) {
+  if (total < kSplitFrom || !may_split()) {
     for (size_t i = 0; i < count; ++i) {
       copy_here(ranges[i].dst, ranges[i].src, ranges[i].n);
     }
@@ -260,7 +262,7 @@ void copy_ranges(const CopyRange* ranges, size_t count) {
 }
 
 void reduce(ReduceKernel kernel, size_t unit, void* out, const void* const* in, int n, size_t count) {
-  if (count * unit < kSplitFrom || helper_plan().count == 0) {
+  if (count * unit < kSplitFrom || !may_split()) {
     kernel(out, in, n, count);
     return;
   }

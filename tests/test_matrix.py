@@ -212,7 +212,8 @@ def _helper_split(rank, world, path, helpers, idle=0):
 
     said = f"helpers {helpers} (ONECCL_BIND_PT_HELPERS)"
     if idle:
-        said += f"; up to {idle} more while the host has idle cores (ONECCL_BIND_PT_IDLE_HELPERS)"
+        said += (f"; up to {idle} more while the host has idle cores (ONECCL_BIND_PT_IDLE_HELPERS); "
+                 "idle cores counted among 64 CPUs (ONECCL_BIND_PT_IDLE_CPUS)")
     assert _C.helpers() == said, _C.helpers()
     taken = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     assert taken._path("allreduce", 8 << 20) == path, taken._path("allreduce", 8 << 20)
@@ -286,17 +287,19 @@ def test_helper_threads_split_large_messages_exactly(world, path):
 
 
 # Idle helpers (ONECCL_BIND_PT_IDLE_HELPERS): more threads that a split takes only while the
-# host's runnable threads leave cores free (src/helpers.hpp). Whether they open here depends on
-# this machine's load, so the exactness check runs with them and one helper that is always
-# used; the share itself is checked below from given numbers, and the reading under load.
-def test_idle_helpers_split_large_messages_exactly():
-    env = {**TRANSPORTS["shm"], "ONECCL_BIND_PT_HELPERS": "1", "ONECCL_BIND_PT_IDLE_HELPERS": "2",
-           "ONECCL_BIND_PT_SHM_SINGLE_COPY": "0"}
+# host's runnable threads leave CPUs free (src/helpers.hpp). With 2 ranks on this machine's 2
+# CPUs none is ever free, so ONECCL_BIND_PT_IDLE_CPUS=64 counts free CPUs among 64: every split
+# takes them, alone (no helper otherwise, as DDP at 2 x 8 on 16 cores) and beside one always used.
+@pytest.mark.parametrize("helpers", [0, 1])
+def test_idle_helpers_split_large_messages_exactly(helpers):
+    env = {**TRANSPORTS["shm"], "ONECCL_BIND_PT_HELPERS": str(helpers), "ONECCL_BIND_PT_IDLE_HELPERS": "2",
+           "ONECCL_BIND_PT_IDLE_CPUS": "64", "ONECCL_BIND_PT_SHM_SINGLE_COPY": "0"}
     for rank, (problems, threads, (splits, idle)) in enumerate(
-            run_ranks(_helper_split, 2, "shm", 1, 2, env=env, timeout=600)):
+            run_ranks(_helper_split, 2, "shm", helpers, 2, env=env, timeout=600)):
         assert not problems, f"rank {rank}: {problems}"
-        assert threads == 3, f"rank {rank}: {threads} helper threads: 1 and 2 idle ones asked for"
-        assert splits > 0 and 0 <= idle <= splits, (rank, splits, idle)
+        assert threads == helpers + 2, f"rank {rank}: {threads} helper threads, {helpers} and 2 idle ones asked for"
+        # Every split has pieces for them (64 CPUs less a few runnable threads, halved: more than 2).
+        assert splits > 0 and idle == splits, f"rank {rank}: {idle} of {splits} splits took idle helpers"
 
 
 @pytest.mark.parametrize("allowed, running, awake, local, most, share", [
@@ -317,7 +320,8 @@ def test_idle_helpers_share_the_cores_the_host_leaves_idle(allowed, running, awa
 
 
 def test_runnable_threads_count_busy_processes():
-    # Three busy processes are always runnable, and so is the reader: every read says 4 or more.
+    # Three busy processes are always runnable, and so is the reader: 4 or more (the kernel sums
+    # its CPUs' queues without a lock, so one read may miss a process moving between them).
     from oneccl_bind_pt import _C
 
     spin = "import sys; print('spinning', flush=True)\nwhile True: pass"
@@ -330,7 +334,7 @@ def test_runnable_threads_count_busy_processes():
         for h in hogs:
             h.kill()
             h.wait()
-    assert min(reads) >= 4, reads
+    assert min(reads) >= 1 and max(reads) >= 4, reads
 
 
 def _default_helpers(rank, world):
@@ -454,9 +458,11 @@ def test_oneccl_worker_threads_carry_collectives_exactly():
     assert [b - a for a, b in zip(threads[0], threads[1])] == [1, 1], threads
 
 
-@pytest.mark.parametrize("var, accepts", [("ONECCL_BIND_PT_HELPERS", ""), ("ONECCL_BIND_PT_IDLE_HELPERS", " or auto")])
-def test_an_unknown_helper_count_fails_the_group_with_its_name(var, accepts):
+@pytest.mark.parametrize("var, value, accepts", [
+    ("ONECCL_BIND_PT_HELPERS", "many", "from 0 to 64"), ("ONECCL_BIND_PT_IDLE_HELPERS", "many", "from 0 to 64 or auto"),
+    ("ONECCL_BIND_PT_IDLE_CPUS", "0", "from 1 to 65536")])
+def test_an_unknown_helper_count_fails_the_group_with_its_name(var, value, accepts):
     with pytest.raises(RankFailure) as caught:
-        run_ranks(_never_runs, 2, env={var: "many"}, timeout=120)
+        run_ranks(_never_runs, 2, env={var: value}, timeout=120)
     text = str(caught.value)
-    assert f"ValueError: {var}=many is not a whole number from 0 to 64{accepts}" in text, text
+    assert f"ValueError: {var}={value} is not a whole number {accepts}" in text, text

@@ -209,7 +209,28 @@ struct ReduceJob {
   char* out;
   const void* const* in;
   int n;
+  char* also; // or nullptr
 };
+
+// The result's second copy is made a block at a time, right after the block is reduced,
+// while it is still in the core's cache: memory sees its writes, not a second read.
+constexpr size_t kAlsoBlock = size_t{32} << 10;
+
+// [lo, hi) of a reduction, in elements.
+void reduce_range(const ReduceJob& j, size_t lo, size_t hi) {
+  const size_t step = j.also ? std::max<size_t>(1, kAlsoBlock / j.unit) : std::max<size_t>(1, hi - lo);
+  const void* in_at[kMaxReduceInputs];
+  for (size_t a = lo; a < hi; a += step) {
+    const size_t b = std::min(hi, a + step);
+    for (int q = 0; q < j.n; ++q) {
+      in_at[q] = static_cast<const char*>(j.in[q]) + a * j.unit;
+    }
+    j.kernel(j.out + a * j.unit, in_at, j.n, b - a);
+    if (j.also) {
+      copy_here(j.also + a * j.unit, j.out + a * j.unit, (b - a) * j.unit);
+    }
+  }
+}
 
 } // namespace
 
@@ -261,20 +282,20 @@ void copy_ranges(const CopyRange* ranges, size_t count) {
   }, &job);
 }
 
-void reduce(ReduceKernel kernel, size_t unit, void* out, const void* const* in, int n, size_t count) {
-  if (count * unit < kSplitFrom || !may_split()) {
-    kernel(out, in, n, count);
+void reduce(ReduceKernel kernel, size_t unit, void* out, const void* const* in, int n, size_t count, void* also) {
+  const bool here = count * unit < kSplitFrom || !may_split();
+  if (here && !also) {
+    kernel(out, in, n, count); // small ones, as they come: the latency path
     return;
   }
   TORCH_INTERNAL_ASSERT(n <= kMaxReduceInputs, "ccl: a reduction of ", n, " inputs; at most ", kMaxReduceInputs);
-  ReduceJob job{kernel, unit, static_cast<char*>(out), in, n};
+  ReduceJob job{kernel, unit, static_cast<char*>(out), in, n, static_cast<char*>(also)};
+  if (here) {
+    reduce_range(job, 0, count);
+    return;
+  }
   split(count, std::max<size_t>(1, 64 / unit), kMinPiece / unit, [](void* ctx, size_t lo, size_t hi) {
-    auto* j = static_cast<ReduceJob*>(ctx);
-    const void* in_at[kMaxReduceInputs];
-    for (int q = 0; q < j->n; ++q) {
-      in_at[q] = static_cast<const char*>(j->in[q]) + lo * j->unit;
-    }
-    j->kernel(j->out + lo * j->unit, in_at, j->n, hi - lo);
+    reduce_range(*static_cast<const ReduceJob*>(ctx), lo, hi);
   }, &job);
 }
 

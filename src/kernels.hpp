@@ -74,8 +74,11 @@ bool copies_split();
 
 // kernel(out, in, n, count), split across the helper threads from 256 KiB of output;
 // `unit` is the bytes of one element the kernel counts. At most kMaxReduceInputs inputs;
-// `out` may be one of them exactly (not overlap one at another offset).
+// `out` may be one of them exactly (not overlap one at another offset). `also`, if given,
+// gets a copy of the result, each block copied right after it is reduced; it too may be
+// one of the inputs exactly (a block's inputs are read before its copy is written).
 inline constexpr int kMaxReduceInputs = 128;
-void reduce(ReduceKernel kernel, size_t unit, void* out, const void* const* in, int n, size_t count);
+void reduce(ReduceKernel kernel, size_t unit, void* out, const void* const* in, int n, size_t count,
+            void* also = nullptr);
 
 } // namespace oneccl_bind_pt

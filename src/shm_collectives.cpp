@@ -127,8 +127,9 @@ void ShmPending::stage(const Prim& p) {
       case Prim::Kind::Allreduce:
         if ((hi - lo) * unit > kOneMeetingBytes) {
           // Two meetings: each peer reads from this buffer only the slice it reduces, and this
-          // rank reduces its own slice from its tensor, into that slice of the buffer. So the
-          // slice is not staged: at 2 ranks a step moves 4.5 times the chunk's bytes, not 5.5.
+          // rank reduces its own slice from its tensor, into that slice of the buffer and its
+          // output. So the slice is not staged, nor gathered: at 2 ranks a step moves 4 times
+          // the chunk's bytes, not 5.5.
           const auto [slo, shi] = slice(hi - lo, me);
           CopyRange ranges[2] = {{buf, src + lo * unit, slo * unit},
                                  {buf + shi * unit, src + (lo + shi) * unit, (hi - lo - shi) * unit}};
@@ -344,7 +345,9 @@ bool ShmPending::move(const Prim& p) {
         slice_in[q] = static_cast<const char*>(in[q]) + slo * unit;
       }
       slice_in[me] = static_cast<const char*>(p.src) + (lo + slo) * unit; // not staged (stage())
-      reduce(p.red->kernel, unit, shm_.buffer(me, step_) + slo * unit, slice_in, n, shi - slo);
+      // Into the buffer for the peers, and into our output while each block is in cache.
+      reduce(p.red->kernel, unit, shm_.buffer(me, step_) + slo * unit, slice_in, n, shi - slo,
+             dst + (lo + slo) * unit);
       store_release(shm_.reduced(me), step_);
       phase_ = Phase::Reduced;
       return finish_two_meetings(p);
@@ -423,14 +426,12 @@ bool ShmPending::finish_two_meetings(const Prim& p) {
   size_t k = 0;
   for (int q = 0; q < n; ++q) {
     const auto [slo, shi] = slice(w, q);
-    if (shi <= slo) {
-      continue;
+    if (shi <= slo || q == shm_.rank_) {
+      continue; // this rank's own slice went into its output as it was reduced (move())
     }
     if (route_ == Route::Cma) {
       // Each rank reduced its slice into its own output: read the others' there.
-      if (q != shm_.rank_) {
-        shm_.read_peer(q, dst + slo * unit, shm_.sig(q, step_)->dst + (lo + slo) * unit, (shi - slo) * unit, op_);
-      }
+      shm_.read_peer(q, dst + slo * unit, shm_.sig(q, step_)->dst + (lo + slo) * unit, (shi - slo) * unit, op_);
     } else {
       ranges[k++] = {dst + slo * unit, shm_.buffer(q, step_) + slo * unit, (shi - slo) * unit};
     }

@@ -141,11 +141,15 @@ void ShmPending::stage(const Prim& p) {
         copy_bytes(buf, src + lo * unit, (hi - lo) * unit);
         break;
       case Prim::Kind::ReduceScatter: {
+        // Every peer's share; this rank reduces its own from its tensor (move()).
         CopyRange ranges[kMaxRanks];
+        size_t k = 0;
         for (int q = 0; q < n; ++q) {
-          ranges[q] = {buf + q * (hi - lo) * unit, src + (q * p.count + lo) * unit, (hi - lo) * unit};
+          if (q != me) {
+            ranges[k++] = {buf + q * (hi - lo) * unit, src + (q * p.count + lo) * unit, (hi - lo) * unit};
+          }
         }
-        copy_ranges(ranges, n);
+        copy_ranges(ranges, k);
         break;
       }
       case Prim::Kind::Broadcast:
@@ -362,6 +366,7 @@ bool ShmPending::move(const Prim& p) {
       for (int q = 0; q < n; ++q) {
         share_in[q] = static_cast<const char*>(in[q]) + me * w * unit;
       }
+      share_in[me] = static_cast<const char*>(p.src) + (me * p.count + lo) * unit; // not staged (stage())
       reduce(p.red->kernel, unit, dst + lo * unit, share_in, n, w);
       return true;
     }

@@ -70,3 +70,40 @@ def _past_int32(rank, world):
 
 def test_counts_past_int32_limits():
     assert all(run_ranks(_past_int32, 2, timeout=600))
+
+
+# In place: reduce_scatter_tensor's output a view of this rank's share of its input, and
+# all_gather_into_tensor's input a view of this rank's share of its output (as ZeRO-style code
+# keeps one flat buffer), through the staging chunks with an odd tail, on every path; compared
+# byte for byte with gloo doing the same in place on the same values.
+def _in_place_shares(rank, world, staged):
+    gloo = dist.new_group(backend="gloo")
+    n = (3 << 20) // 4 + 7 if staged else 1000  # float32 per rank: two staging chunks and a tail
+    got = {}
+    for name, group in (("ccl", None), ("gloo", gloo)):
+        flat = (torch.arange(world * n, dtype=torch.float32) % 1013) * (rank + 1)
+        mine = flat[rank * n:(rank + 1) * n]
+        dist.reduce_scatter_tensor(mine, flat, group=group)
+        got[name + " reduce_scatter"] = flat.clone()
+        flat = torch.full((world * n,), -1.0)
+        flat[rank * n:(rank + 1) * n] = torch.arange(n, dtype=torch.float32) + 1000 * rank
+        dist.all_gather_into_tensor(flat, flat[rank * n:(rank + 1) * n], group=group)
+        got[name + " all_gather"] = flat
+    wrong = [op for op in ("reduce_scatter", "all_gather")
+             if not torch.equal(got["ccl " + op].view(torch.int32), got["gloo " + op].view(torch.int32))]
+    # Outside the output share, reduce_scatter leaves the input as it was.
+    untouched = (torch.arange(world * n, dtype=torch.float32) % 1013) * (rank + 1)
+    outside = torch.ones(world * n, dtype=torch.bool)
+    outside[rank * n:(rank + 1) * n] = False
+    if not torch.equal(got["ccl reduce_scatter"][outside], untouched[outside]):
+        wrong.append("reduce_scatter wrote outside its output")
+    return wrong
+
+
+@pytest.mark.parametrize("path", ["shm", "cma", "oneccl"])
+@pytest.mark.parametrize("staged", [False, True], ids=["1000", "3MiB+7"])
+def test_in_place_shares_of_one_flat_buffer(path, staged):
+    env = {"shm": {"ONECCL_BIND_PT_SHM_SINGLE_COPY": "0"}, "cma": {"ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES": "0"},
+           "oneccl": {"ONECCL_BIND_PT_SHM": "0"}}[path]
+    for world in (2, 3):
+        assert run_ranks(_in_place_shares, world, staged, env=env, timeout=300) == [[]] * world, (path, world)

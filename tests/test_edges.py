@@ -76,9 +76,11 @@ def test_counts_past_int32_limits():
 # all_gather_into_tensor's input a view of this rank's share of its output (as ZeRO-style code
 # keeps one flat buffer), through the staging chunks with an odd tail, on every path; compared
 # byte for byte with gloo doing the same in place on the same values.
-def _in_place_shares(rank, world, staged):
+def _in_place_shares(rank, world, staged, path):
     gloo = dist.new_group(backend="gloo")
-    n = (3 << 20) // 4 + 7 if staged else 1000  # float32 per rank: two staging chunks and a tail
+    n = (3 << 20) // 4 + 7 if staged else 1000  # float32 per rank: 3 MiB + 28 B, several chunks and a tail
+    taken = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    assert taken._path("reduce_scatter", world * n * 4) == path, taken._path("reduce_scatter", world * n * 4)
     got = {}
     for name, group in (("ccl", None), ("gloo", gloo)):
         flat = (torch.arange(world * n, dtype=torch.float32) % 1013) * (rank + 1)
@@ -97,6 +99,9 @@ def _in_place_shares(rank, world, staged):
     outside[rank * n:(rank + 1) * n] = False
     if not torch.equal(got["ccl reduce_scatter"][outside], untouched[outside]):
         wrong.append("reduce_scatter wrote outside its output")
+    # And the share itself, worked out: the ranks' values summed (exact in float32).
+    if not torch.equal(got["ccl reduce_scatter"][~outside], untouched[~outside] / (rank + 1) * (world * (world + 1) // 2)):
+        wrong.append("reduce_scatter's share is not the sum")
     return wrong
 
 
@@ -106,4 +111,30 @@ def test_in_place_shares_of_one_flat_buffer(path, staged):
     env = {"shm": {"ONECCL_BIND_PT_SHM_SINGLE_COPY": "0"}, "cma": {"ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES": "0"},
            "oneccl": {"ONECCL_BIND_PT_SHM": "0"}}[path]
     for world in (2, 3):
-        assert run_ranks(_in_place_shares, world, staged, env=env, timeout=300) == [[]] * world, (path, world)
+        assert run_ranks(_in_place_shares, world, staged, path, env=env, timeout=300) == [[]] * world, (path, world)
+
+
+# One rank reads its peers directly (single copy at every size), the other would stage: the
+# step goes single copy for both, after the second had staged its input for a staged step
+# (for allreduce and reduce_scatter, only what its peers reduce).
+def _mixed_routes(rank, world):
+    taken = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    n = (3 << 20) // 4 + 7
+    paths = (taken._path("allreduce", n * 4), taken._path("reduce_scatter", world * n * 4))
+    base = torch.arange(world * n, dtype=torch.float32) % 1013
+    t = base[:n] * (rank + 1)
+    dist.all_reduce(t)
+    wrong = [] if torch.equal(t, base[:n] * (world * (world + 1) // 2)) else ["all_reduce"]
+    share = torch.empty(n)
+    dist.reduce_scatter_tensor(share, base * (rank + 1))
+    if not torch.equal(share, base[rank * n:(rank + 1) * n] * (world * (world + 1) // 2)):
+        wrong.append("reduce_scatter_tensor")
+    return paths, wrong
+
+
+def test_a_step_one_rank_reads_directly_goes_single_copy_for_all():
+    ranks = run_ranks(_mixed_routes, 2, rank_env={0: {"ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES": "0"},
+                                                   1: {"ONECCL_BIND_PT_SHM_SINGLE_COPY": "1",
+                                                       "ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES": "1G"}}, timeout=300)
+    assert [paths for paths, _ in ranks] == [("cma", "cma"), ("shm", "shm")], ranks
+    assert [wrong for _, wrong in ranks] == [[], []], ranks

@@ -477,8 +477,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::alltoall_base(
   };
   auto send_counts = counts(input, input_split_sizes, "input");
   auto recv_counts = counts(output, output_split_sizes, "output");
+  // In place (the output's bytes overlap the input's): each rank would overwrite its parts
+  // while its peers still read them (single copy reads them from its tensor). So it sends a
+  // copy, made at the op's start.
+  const auto* in_at = static_cast<const char*>(input.data_ptr());
+  const auto* out_at = static_cast<const char*>(output.data_ptr());
+  const bool in_place = nbytes(input) > 0 && nbytes(output) > 0 && in_at < out_at + nbytes(output) &&
+      out_at < in_at + nbytes(input);
+  at::Tensor send = in_place ? at::empty_like(input) : input;
   Call call{kAlltoallBase, pick_timeout(opts.timeout, timeout_), {input}, {output}};
-  call.prims.push_back(alltoallv(ptr(input), std::move(send_counts), ptr(output), std::move(recv_counts)));
+  if (in_place) {
+    call.buffers = {send};
+    call.prepare = [send, input]() mutable { send.copy_(input); };
+  }
+  call.prims.push_back(alltoallv(ptr(send), std::move(send_counts), ptr(output), std::move(recv_counts)));
   return run(std::move(call));
 }
 

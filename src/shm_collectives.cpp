@@ -81,6 +81,21 @@ void ShmPending::learn_pairs(const Prim& p) {
   }
 }
 
+ShmPending::OwnPart ShmPending::own_part(const Prim& p) const {
+  const int me = shm_.rank_;
+  OwnPart own;
+  for (int q = 0; q < me; ++q) {
+    own.from += p.send_counts[q];
+    own.to += p.recv_counts[q];
+  }
+  // The signatures agree that what this rank sends itself is what it expects from itself.
+  const size_t n = p.send_counts[me];
+  const auto* a = static_cast<const char*>(p.src) + own.from;
+  const auto* b = static_cast<const char*>(p.dst) + own.to;
+  own.direct = a == b || a + n <= b || b + n <= a;
+  return own;
+}
+
 void ShmPending::stage(const Prim& p) {
   step_ = ++shm_.next_step_;
   if (chunk_ == 0) {
@@ -163,14 +178,16 @@ void ShmPending::stage(const Prim& p) {
         }
         break;
       case Prim::Kind::Alltoallv: {
-        // Window [lo, lo + capacity) of what goes to each peer, at slot q.
+        // Window [lo, lo + capacity) of what goes to each peer, at slot q; this rank's own
+        // part goes straight to its output in move() (own_part()).
         const size_t cap = capacity(p);
         const size_t from = chunk_ * cap;
+        const bool direct = own_part(p).direct;
         size_t offset = 0;
         CopyRange ranges[kMaxRanks];
         size_t k = 0;
         for (int q = 0; q < n; ++q) {
-          if (p.send_counts[q] > from) {
+          if (p.send_counts[q] > from && !(q == me && direct)) {
             ranges[k++] = {buf + q * cap, src + offset + from, std::min(cap, p.send_counts[q] - from)};
           }
           offset += p.send_counts[q];
@@ -393,13 +410,17 @@ bool ShmPending::move(const Prim& p) {
     case Prim::Kind::Alltoallv: {
       const size_t cap = capacity(p);
       const size_t from = chunk_ * cap;
+      const OwnPart own = own_part(p);
       size_t offset = 0;
       CopyRange ranges[kMaxRanks];
       size_t k = 0;
       for (int q = 0; q < n; ++q) {
         if (p.recv_counts[q] > from) {
-          ranges[k++] = {dst + offset + from, static_cast<const char*>(in[q]) + me * cap,
-                         std::min(cap, p.recv_counts[q] - from)};
+          const char* at = q == me && own.direct ? static_cast<const char*>(p.src) + own.from + from
+                                                 : static_cast<const char*>(in[q]) + me * cap;
+          if (dst + offset + from != at) { // in place: the part is where it goes already
+            ranges[k++] = {dst + offset + from, at, std::min(cap, p.recv_counts[q] - from)};
+          }
         }
         offset += p.recv_counts[q];
       }

@@ -46,6 +46,14 @@ class ShmPending final : public Pending {
   size_t chunks(const Prim& p) const;   // steps
   std::pair<size_t, size_t> slice(size_t w, int q) const; // rank q's part of a w-unit window
   void learn_pairs(const Prim& p); // alltoallv: the largest pair, from every rank's counts
+  // Alltoallv: where this rank's part for itself starts in its input and in its output.
+  // It goes straight from one to the other (not through the staging buffer) unless the
+  // two overlap without being the same bytes.
+  struct OwnPart {
+    size_t from = 0, to = 0;
+    bool direct = false;
+  };
+  OwnPart own_part(const Prim& p) const;
   void stage(const Prim& p);
   bool met(); // every peer staged this step
   void check_signatures(const Prim& p);

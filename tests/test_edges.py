@@ -72,10 +72,11 @@ def test_counts_past_int32_limits():
     assert all(run_ranks(_past_int32, 2, timeout=600))
 
 
-# In place: reduce_scatter_tensor's output a view of this rank's share of its input, and
+# In place: reduce_scatter_tensor's output a view of this rank's share of its input,
 # all_gather_into_tensor's input a view of this rank's share of its output (as ZeRO-style code
-# keeps one flat buffer), through the staging chunks with an odd tail, on every path; compared
-# byte for byte with gloo doing the same in place on the same values.
+# keeps one flat buffer), and all_to_all_single's output its input, through the staging chunks
+# with an odd tail, on every path; compared byte for byte with gloo doing the same in place
+# on the same values, or with the worked-out result.
 def _in_place_shares(rank, world, staged, path):
     gloo = dist.new_group(backend="gloo")
     n = (3 << 20) // 4 + 7 if staged else 1000  # float32 per rank: 3 MiB + 28 B, several chunks and a tail
@@ -93,6 +94,14 @@ def _in_place_shares(rank, world, staged, path):
         got[name + " all_gather"] = flat
     wrong = [op for op in ("reduce_scatter", "all_gather")
              if not torch.equal(got["ccl " + op].view(torch.int32), got["gloo " + op].view(torch.int32))]
+    # all_to_all_single with its output its input (this rank's part for itself stays where it
+    # is), against the worked-out result: gloo's own in-place all-to-all is no reference (on
+    # torch 2.13, 2 ranks of 5 floats each, its rank 1 ended with its own first part).
+    flat = torch.arange(world * n, dtype=torch.float32) + 10000 * rank
+    dist.all_to_all_single(flat, flat)
+    want = torch.cat([torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) + 10000 * q for q in range(world)])
+    if not torch.equal(flat, want):
+        wrong.append("all_to_all in place")
     # Outside the output share, reduce_scatter leaves the input as it was.
     untouched = (torch.arange(world * n, dtype=torch.float32) % 1013) * (rank + 1)
     outside = torch.ones(world * n, dtype=torch.bool)

@@ -11,6 +11,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cstring>
+
 namespace oneccl_bind_pt {
 
 // ---- reductions ------------------------------------------------------------
@@ -488,7 +490,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::alltoall_base(
   Call call{kAlltoallBase, pick_timeout(opts.timeout, timeout_), {input}, {output}};
   if (in_place) {
     call.buffers = {send};
-    call.prepare = [send, input]() mutable { send.copy_(input); };
+    // The bytes as they are (copy_ would resolve a conjugate or negative view bit).
+    call.prepare = [send, input]() mutable { std::memcpy(send.data_ptr(), input.data_ptr(), nbytes(input)); };
   }
   call.prims.push_back(alltoallv(ptr(send), std::move(send_counts), ptr(output), std::move(recv_counts)));
   return run(std::move(call));

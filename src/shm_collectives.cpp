@@ -89,10 +89,13 @@ ShmPending::OwnPart ShmPending::own_part(const Prim& p) const {
     own.to += p.recv_counts[q];
   }
   // The signatures agree that what this rank sends itself is what it expects from itself.
+  // Straight across only where the part is its own slot of the output already, or lies
+  // outside the output: the peers' parts land in the output in the same step.
   const size_t n = p.send_counts[me];
   const auto* a = static_cast<const char*>(p.src) + own.from;
-  const auto* b = static_cast<const char*>(p.dst) + own.to;
-  own.direct = a == b || a + n <= b || b + n <= a;
+  const auto* out = static_cast<const char*>(p.dst);
+  const size_t out_bytes = std::accumulate(p.recv_counts.begin(), p.recv_counts.end(), size_t{0});
+  own.direct = a == out + own.to || a + n <= out || out + out_bytes <= a;
   return own;
 }
 

@@ -86,18 +86,21 @@ bool ShmPending::move_single_copy(const Prim& p) {
       return true;
     }
     case Prim::Kind::Alltoallv: {
-      // One step: what q sends us starts after what it sends the ranks before us.
+      // One step: what q sends us starts after what it sends the ranks before us. Our own
+      // part first: an input inside the output (a root's gather_single in place) is read
+      // before the peers' parts land on it.
+      const size_t own_to = std::accumulate(p.recv_counts.begin(), p.recv_counts.begin() + me, size_t{0});
+      const size_t own_at = std::accumulate(p.send_counts.begin(), p.send_counts.begin() + me, size_t{0});
+      if (p.recv_counts[me] > 0 && dst + own_to != src + own_at) {
+        std::memmove(dst + own_to, src + own_at, p.recv_counts[me]);
+      }
       size_t offset = 0;
       for (int q = 0; q < n; ++q) {
         const uint64_t* sent = shm_.counts(q, step_);
         const size_t at = std::accumulate(sent, sent + me, size_t{0});
         const size_t len = p.recv_counts[q];
-        if (len > 0) {
-          if (q != me) {
-            shm_.read_peer(q, dst + offset, peer_src(q) + at, len, op_);
-          } else {
-            std::memmove(dst + offset, src + at, len);
-          }
+        if (len > 0 && q != me) {
+          shm_.read_peer(q, dst + offset, peer_src(q) + at, len, op_);
         }
         offset += len;
       }

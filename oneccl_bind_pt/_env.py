@@ -67,8 +67,19 @@ CCL_KVS_IFACE              ``lo`` when every rank is   oneCCL's bootstrap listen
                            127.0.1.1 there, the NIC
                            towards the other hosts)
 FI_TCP_IFACE               the same NIC, across hosts
+CCL_PMI_FORCE_FINALIZE     ``1``                       A rank's teardown of its communicator
+                                                       no longer removes its keys from rank
+                                                       0's key-value store (which goes with
+                                                       the group anyway). A rank 0 that
+                                                       exited meanwhile made that removal
+                                                       fail inside a destructor, which
+                                                       aborted the process. oneCCL skips it
+                                                       whenever the variable is set, to
+                                                       any value.
 CCL_LOG_LEVEL              ``error``                   oneCCL warns about every variable
-                                                       above at startup; errors still show.
+                                                       above at startup (and at each
+                                                       teardown, for the one above); errors
+                                                       still show.
 TORCH_INCLUDE_STACK_TRACE  ``0``                       torch 2.15 dumps its flight recorder
                                                        when a ccl op fails. Symbolizing
                                                        every entry's stack took over 15 s
@@ -463,5 +474,6 @@ def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str
         if interface:
             _set_default(env, "CCL_KVS_IFACE", interface)
             _set_default(env, "FI_TCP_IFACE", interface)
+    _set_default(env, "CCL_PMI_FORCE_FINALIZE", "1")
     _set_default(env, "CCL_LOG_LEVEL", "error")
     _set_default(env, "TORCH_INCLUDE_STACK_TRACE", "0")

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import (TRANSPORTS, all_gather_single, announce, await_announcement, communicate, expect_transport, popen,
-                     reduce_scatter_single, run_ranks)
+from harness import (TRANSPORTS, all_gather_single, announce, apt_install, await_announcement, communicate, expect_transport,
+                     popen, reduce_scatter_single, require, run_ranks)
 from test_launchers import BIN, ROOT, free_port
 
 
@@ -158,6 +158,38 @@ def test_destroy_returns_when_the_key_value_store_server_died():
     took = run_ranks(_store_server_killed, 2, timeout=150)
     assert took[0] < 20, took  # well inside the group's 60 s: the dead server is seen, not waited out
     assert took[1] < 40, took  # its check that rank 0's store answers gives up (5 s), then it leaves
+
+
+# A rank that passed its check that rank 0's store answers (~Communicator) and whose oneCCL
+# teardown then met rank 0's process gone: oneCCL's bootstrap client removed its keys from
+# that store in a destructor, failed ("Broken pipe") and aborted the process (seen once in
+# CI, 3 ranks, the senders tearing down as the receiver exited). gdb holds rank 1 inside that
+# window while rank 0 is killed; on the earlier build rank 1 died of SIGABRT here.
+def test_destroy_survives_rank_0_dying_inside_the_teardown(tmp_path):
+    missing = apt_install(("gdb",), ("gdb",))
+    require(missing is None, f"gdb holds rank 1's teardown: {missing}")
+    pid_file = tmp_path / "rank0.pid"
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2", "RANK0_PID": str(pid_file)}
+    script = "tests/scripts/teardown_race.py"
+    # Rank 0's sockets are closed once its last thread has exited: it is gone, or a zombie
+    # whose threads are gone (its main thread turns zombie while the others still exit).
+    wait_gone = ("shell P=$(cat {f}); kill -9 $P; while [ -e /proc/$P ] && ! {{ grep -q ') [ZX] ' /proc/$P/stat "
+                 "2>/dev/null && [ $(ls /proc/$P/task 2>/dev/null | wc -l) -le 1 ]; }}; do sleep 0.01; done; "
+                 "echo rank 0 gone").format(f=pid_file)
+    gdb = ["gdb", "-q", "-nx", "-batch", "-ex", "handle SIGPIPE nostop noprint pass", "-ex", "run",
+           "-ex", "break ccl::v1::communicator::~communicator", "-ex", "continue", "-ex", wait_gone,
+           "-ex", "delete", "-ex", "continue", "--args", sys.executable, script]
+    procs = [popen(gdb, cwd=ROOT, env={**base, "RANK": "1", "LOCAL_RANK": "1"}, stdout=subprocess.PIPE,
+                   stderr=subprocess.STDOUT, text=True),
+             popen([sys.executable, script], cwd=ROOT, env={**base, "RANK": "0", "LOCAL_RANK": "0"},
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    out1, out0 = communicate(procs, 150)
+    require("ptrace" not in out1 or "Operation not permitted" not in out1, "gdb may not trace here: " + out1[-500:])
+    # The window was held: the teardown thread stopped in the destructor, then rank 0 died.
+    assert re.search(r'"ccl-teardown" hit Breakpoint 1', out1), out1
+    assert "rank 0 gone" in out1 and procs[1].returncode == -9, (out1, out0)
+    assert "rank 1 destroyed its group" in out1 and "exited normally" in out1, out1
 
 
 class _SlowToFree:

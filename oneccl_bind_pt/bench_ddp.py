@@ -10,6 +10,10 @@ SGD on random batches of --batch rows. Each configuration wraps its own copy of 
 initial values) in DistributedDataParallel on its own group:
 
 - `ccl`: the default ccl group, what users get (on one host, the shared-memory transport);
+- `ccl+idle` (only when asked for): a ccl group of its own whose large copies and
+  reductions may also take idle helpers, threads that work only while the host has CPUs to
+  spare (ONECCL_BIND_PT_IDLE_HELPERS, `auto` unless set; docs/performance.md). Where it runs,
+  `ccl` runs without them, so the two compare the setting in the same processes;
 - `oneccl`: a ccl group created with ONECCL_BIND_PT_SHM=0 (every collective through oneCCL,
   with its own shared-memory transport, CCL_ATL_SHM=1);
 - `gloo`: a gloo group;
@@ -66,7 +70,9 @@ from torch import nn
 from oneccl_bind_pt import _C
 from oneccl_bind_pt.bench import DTYPES, GROUP_ENV, check_choices, group_with, launch, print_table
 
-CONFIGS = ["ccl", "oneccl", "gloo", "local"]
+CONFIGS = ["ccl", "ccl+idle", "oneccl", "gloo", "local"]
+DEFAULT_CONFIGS = ["ccl", "oneccl", "gloo", "local"]
+IDLE = "ccl+idle"
 # Relative L2 error against the reference (module docstring). A wrong reduction is off by
 # about 1 (the sum instead of the mean, a zeroed gradient, one rank's gradient alone);
 # float32's gradient agrees to 1e-6, bfloat16's to a few 1e-2 (its rounding).
@@ -153,20 +159,26 @@ def train(args, rank, world, dtype, groups, control):
     opt = {c: torch.optim.SGD(m.parameters(), lr=lr) for c, m in ddp.items()}
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     times = {c: [] for c in ddp}
+    splits = {c: [0, 0] for c in ddp}  # this rank's splits on helpers in timed steps, and with idle ones
     for step in range(args.warmup + args.steps):
         xs = [batch(args, g) for g in gens]
         x = xs[rank]
         for c, model in ddp.items():
+            if IDLE in ddp:
+                _C._allow_idle_helpers(c == IDLE)
             dist.barrier(group=control)  # every rank starts the step together
+            before = _C._split_counts()
             start = time.perf_counter()
             opt[c].zero_grad(set_to_none=True)
             loss(model, x, dtype, dtype).backward()
             opt[c].step()
             if step >= args.warmup:
                 times[c].append(time.perf_counter() - start)
+                splits[c] = [total + now - then for total, now, then in zip(splits[c], _C._split_counts(), before)]
         ref_opt.zero_grad(set_to_none=True)
         loss(ref, torch.cat(xs), dtype, torch.float32).backward()
         ref_opt.step()
+    _C._allow_idle_helpers(True)
     ref_update = _flat(ref.parameters()) - ref_start
     # The gradient check: one more step on a fresh batch, without the optimizer's step.
     xs = [batch(args, g) for g in gens]
@@ -183,7 +195,8 @@ def train(args, rank, world, dtype, groups, control):
         summary[c] = {"grad_error": errors[0].item(), "update_error": errors[1].item(),
                       "moved": (_flat(params) != start_params[c]).double().mean().item(),
                       # One per parameter, or fewer where the gradients are views of DDP's buckets.
-                      "grad_storages": len({p.grad.untyped_storage().data_ptr() for p in params})}
+                      "grad_storages": len({p.grad.untyped_storage().data_ptr() for p in params}),
+                      "splits": splits[c][0], "idle_splits": splits[c][1]}
     for c, ts in times.items():
         slowest = torch.tensor(ts, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=control)
@@ -213,9 +226,10 @@ def train(args, rank, world, dtype, groups, control):
 
 def run(rank, world, args):
     control = dist.new_group(backend="gloo")  # barriers and the timings, outside what is measured
-    groups = {"ccl": dist.group.WORLD, "oneccl": group_with(world, GROUP_ENV["oneccl"]),
-              "gloo": dist.new_group(backend="gloo"), "local": None}
-    groups = {c: g for c, g in groups.items() if c in args.configs}
+    made = {"ccl": lambda: dist.group.WORLD, IDLE: lambda: group_with(world, {}),
+            "oneccl": lambda: group_with(world, GROUP_ENV["oneccl"]), "gloo": lambda: dist.new_group(backend="gloo"),
+            "local": lambda: None}
+    groups = {c: make() for c, make in made.items() if c in args.configs}
     trained = {dt: train(args, rank, world, DTYPES[dt], groups, control) for dt in args.dtypes}
     if rank != 0:
         return
@@ -229,8 +243,9 @@ def run(rank, world, args):
                                  "update_error_share_of_local": UPDATE_SHARE_OF_LOCAL}
                             for dt in results},
               "results": results}
-    # Whether the ccl configuration's large steps ran on helper threads (src/helpers.hpp):
-    # rank 0's splits over the whole run, and of them those that took idle helpers.
+    # Whether the ccl configurations' large steps ran on helper threads (src/helpers.hpp):
+    # rank 0's splits over the whole run, and of them those that took idle helpers (per
+    # configuration in the results, over its timed steps).
     splits, idle_splits = _C._split_counts()
     report["helpers"] = {"plan": _C.helpers(), "splits": splits, "idle_splits": idle_splits}
     rows = []
@@ -248,6 +263,10 @@ def run(rank, world, args):
                 ["dtype", "backend", "median ms", "p90 ms", "comm ms", "x oneccl", "x gloo", "grad err",
                  "update err", "correct"], rows)
     print(f"rank 0: {report['helpers']['plan']}; {splits} splits on helpers, {idle_splits} of them with idle helpers")
+    for c in (c for c in ("ccl", IDLE) if c in args.configs):
+        by = {dt: (r[c]["splits"], r[c]["idle_splits"]) for dt, r in results.items()}
+        print(f"rank 0, {c}, timed steps: " + "; ".join(f"{dt} {n} splits, {i} with idle helpers"
+                                                          for dt, (n, i) in by.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -263,9 +282,10 @@ def plot(report, path):
 
     dtypes = list(report["results"])
     fig, ax = plt.subplots(figsize=(2.5 + 2.5 * len(dtypes), 4))
-    width = 0.8 / len(CONFIGS)
-    for i, c in enumerate(CONFIGS):
-        xs = [d + (i - (len(CONFIGS) - 1) / 2) * width for d in range(len(dtypes))]
+    configs = [c for c in CONFIGS if any(c in report["results"][dt] for dt in dtypes)]
+    width = 0.8 / len(configs)
+    for i, c in enumerate(configs):
+        xs = [d + (i - (len(configs) - 1) / 2) * width for d in range(len(dtypes))]
         med = [report["results"][dt].get(c, {}).get("median_ms", 0) for dt in dtypes]
         p90 = [report["results"][dt].get(c, {}).get("p90_ms", 0) for dt in dtypes]
         bars = ax.bar(xs, med, width, label=c, yerr=[[0] * len(med), [p - m for p, m in zip(p90, med)]], capsize=3)
@@ -289,7 +309,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, help="SGD's learning rate (default: the reference's first step moves the "
                    f"parameters by {LR_MOVE:.0%}% of their norm)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: " + ", ".join(DTYPES))
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help="comma-separated, of: " + ", ".join(CONFIGS) + " (default: %(default)s)")
     p.add_argument("--bucket-view", action="store_true",
                    help="DDP with gradient_as_bucket_view=True: no copy from the buckets back to the gradients")
     p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn when not under a launcher")
@@ -302,4 +323,8 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(launch(run, parse_args()))
+    parsed = parse_args()
+    if IDLE in parsed.configs:
+        # Read once per process, at the first large split: set before any group exists.
+        os.environ.setdefault("ONECCL_BIND_PT_IDLE_HELPERS", "auto")
+    sys.exit(launch(run, parsed))

@@ -24,9 +24,11 @@ name already there is an error, not overwritten), then runs from a folder that i
 checkout:
 
   - python -m oneccl_bind_pt.bench_ddp at each of --ddp (the threads are OMP_NUM_THREADS;
-    part 1: 2 ranks x 8 threads and 4 x 4, each as it comes and with idle helpers
-    (`2x8:idle=auto`); part 2: 2 x 8 with DDP's gradient_as_bucket_view and 2 x 7 with one
-    oneCCL worker per rank; `2x8:helpers=2` is another form), first in part 1, last in part 2 (which starts with its longest run, the 8-rank benchmark);
+    part 1: 2 ranks x 8 threads, 4 x 4, and 2 x 8 with DDP's gradient_as_bucket_view; part 2:
+    2 x 7 with one oneCCL worker per rank; `2x8:helpers=2` and `2x8:idle=auto` are other
+    forms), each with the configurations ccl, ccl+idle (idle helpers, in the same processes),
+    oneccl, gloo and local; first in part 1, last in part 2 (which starts with its longest
+    run, the 8-rank benchmark);
   - python -m oneccl_bind_pt.bench at each of --ranks (part 1: 2 and 4; part 2: 8), allreduce,
     allgather, reduce_scatter, alltoall, broadcast, sendrecv (--ops), --sizes (4 KiB to 64 MiB;
     part 2 without 64 KiB), with
@@ -40,7 +42,7 @@ checkout:
     Run D answered both on the 16-core Xeon; no part runs them unless asked.
 
 A host lent 15 minutes in all takes the two parts as two calls one after the other
-(--part 1, about 445 s, then --part 2, about 250 s, each into its own --out: their files
+(--part 1, about 420 s, then --part 2, about 200 s, each into its own --out: their files
 share names); --part all runs both in one.
 
 Everything lands in one folder (--out, required), at most 8 files: perf.log (every
@@ -51,7 +53,8 @@ sweep, by --helpers entry: `3`, `3kavx512`), ddp.json (each bench_ddp run, by it
 
 `report DIR` (anywhere) prints, from a run's bench JSON, ccl against the best oneCCL column
 (oneccl or oneccl+w) at every point: the ratio issue-style targets are stated in; and from
-ddp.json each run's communication time (step - local) for ccl, oneccl and gloo, with ratios.
+ddp.json each run's communication time (step - local) for ccl, ccl+idle, oneccl and gloo,
+with ratios.
 
 --installed skips the install and runs the package this interpreter already has (a
 development .venv); with --quick (2 ranks, float32, 2 sizes, a small DDP model) that is
@@ -105,13 +108,14 @@ HELPER_KNOBS = {"chunk": ("ONECCL_BIND_PT_SHM_CHUNK_BYTES", "c"), "kernels": ("O
 # 2 ranks ran past 140 s, four columns at 4 ranks took 122 s and at 8 ranks past 123 s, each
 # bench_ddp 40-60 s, each helper run 13-16 s. DDP, the number users feel, runs first in part 1;
 # part 2 starts with its longest run, the 8-rank benchmark, whose JSON is written only at its end.
-# Part 1, about 445 s: DDP 2x8 and 4x4, each by default and with idle helpers (the four runs
-# about 190 s); bench at 2 ranks (four columns, float32 and bfloat16, 119 s in run D) and at
-# 4 ranks (122 s). Run D's part 1 also ran staged against single copy and the helper sweep
-# (31 s and 60 s), which it answered: `--single-sizes` and `--helpers` bring them back.
-# Part 2, about 250 s: bench at 8 ranks (without 64 KiB: three columns and four sizes ran past
-# 105 s in run D); DDP with bucket views and with a oneCCL worker. (Run D answered the AVX-512
-# kernels against AVX2's, which part 2 swept before: no steady difference.)
+# Part 1, about 420 s: DDP 2x8, 4x4 and 2x8 with bucket views, each with idle helpers as one
+# more configuration in the same processes (about 180 s); bench at 2 ranks (four columns,
+# float32 and bfloat16, 119 s in run D) and at 4 ranks (122 s). Run D's part 1 also ran staged
+# against single copy and the helper sweep (31 s and 60 s), which it answered: `--single-sizes`
+# and `--helpers` bring them back.
+# Part 2, about 200 s: bench at 8 ranks (without 64 KiB: three columns and four sizes ran past
+# 105 s in run D; now four, with oneccl+w); DDP with a oneCCL worker. (Run D answered the
+# AVX-512 kernels against AVX2's, which part 2 swept before: no steady difference.)
 # From 4 ranks `single` (single copy at every size) takes `pg`'s place: at 4 ranks and 16 MiB run B
 # (single copy, reads split across the helpers) read allgather 1,927 us, all-to-all 1,507 and
 # broadcast 914 where run C (staged, the copies split across them) read 3,803, 3,235 and 1,697,
@@ -119,12 +123,12 @@ HELPER_KNOBS = {"chunk": ("ONECCL_BIND_PT_SHM_CHUNK_BYTES", "c"), "kernels": ("O
 # one run. `pg` is `ccl` less torch.distributed's Python layer, which 2 ranks measure.
 COMMON = dict(dtypes="float32,bfloat16", sizes="4K,64K,1M,16M,64M", seconds=0.02, rounds=2,
               backends="ccl,pg,oneccl,oneccl+w", many_backends="ccl,single,oneccl,oneccl+w", many_dtypes="float32",
-              ddp_args=["--steps", "5"])
+              ddp_args=["--steps", "5", "--configs", "ccl,ccl+idle,oneccl,gloo,local"])
 PARTS = {
-    "1": dict(COMMON, ranks="2,4", helpers="", single_sizes="", ddp="2x8,2x8:idle=auto,4x4,4x4:idle=auto",
+    "1": dict(COMMON, ranks="2,4", helpers="", single_sizes="", ddp="2x8,4x4,2x8:view=1",
               budget=450, step_timeout=150, ddp_first=True),
     "2": dict(COMMON, ranks="8", sizes="4K,1M,16M,64M", helpers="", single_sizes="",
-              ddp="2x8:view=1,2x7:workers=1", budget=300, step_timeout=200, ddp_first=False),
+              ddp="2x7:workers=1", budget=300, step_timeout=200, ddp_first=False),
 }
 PARTS["all"] = dict(COMMON, ranks="2,4,8", helpers="", single_sizes="", ddp=PARTS["1"]["ddp"] + "," + PARTS["2"]["ddp"],
                     budget=760, step_timeout=200, ddp_first=True)
@@ -480,15 +484,18 @@ def report(args) -> int:
     print(f"worst ccl/best: {worst:.2f} (* above 1)")
     ddp_file = args.dir / "ddp.json"
     if ddp_file.exists():
-        # The DDP targets are on comm ms (step - local): ccl against oneccl and against gloo.
-        print("DDP (ddp.json): comm ms = step - local, median")
-        print(f"  {'run':<16}{'dtype':<10}{'ccl':>9}{'oneccl':>9}{'gloo':>9}{'ccl/oneccl':>12}{'ccl/gloo':>10}")
+        # The DDP targets are on comm ms (step - local): ccl (and ccl with idle helpers, where
+        # it ran) against oneccl and against gloo.
+        configs, ours = ("ccl", "ccl+idle", "oneccl", "gloo"), ("ccl", "ccl+idle")
+        print("DDP (ddp.json): comm ms = step - local, median; idle = ccl+idle")
+        print(f"  {'run':<16}{'dtype':<10}" + "".join(f"{c:>10}" for c in configs)
+              + "".join(f"{a.replace('ccl+idle', 'idle') + '/' + o:>12}" for a in ours for o in ("oneccl", "gloo")))
         for entry, run in json.loads(ddp_file.read_text()).items():
             for dtype, by in run["results"].items():
-                comm = {c: by[c]["comm_ms"] for c in ("ccl", "oneccl", "gloo") if "comm_ms" in by.get(c, {})}
-                cells = "".join(f"{comm[c]:>9,.1f}" if c in comm else f"{'-':>9}" for c in ("ccl", "oneccl", "gloo"))
-                ratios = "".join(f"{comm['ccl'] / comm[o]:>{w}.2f}" if "ccl" in comm and comm.get(o, 0) > 0
-                                 else f"{'-':>{w}}" for o, w in (("oneccl", 12), ("gloo", 10)))
+                comm = {c: by[c]["comm_ms"] for c in configs if "comm_ms" in by.get(c, {})}
+                cells = "".join(f"{comm[c]:>10,.1f}" if c in comm else f"{'-':>10}" for c in configs)
+                ratios = "".join(f"{comm[a] / comm[o]:>12.2f}" if a in comm and comm.get(o, 0) > 0 else f"{'-':>12}"
+                                 for a in ours for o in ("oneccl", "gloo"))
                 print(f"  {entry:<16}{dtype:<10}{cells}{ratios}")
     return 0
 

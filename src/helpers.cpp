@@ -465,6 +465,8 @@ Pool* pool() {
 
 std::atomic<uint64_t> g_splits{0};
 std::atomic<uint64_t> g_idle_splits{0};
+// Off: splits leave the idle helpers be (bench_ddp's `ccl` beside `ccl+idle`, same processes).
+std::atomic<bool> g_idle_allowed{true};
 
 // The idle helpers' share, read again at most this often: reading costs a few
 // microseconds, a staged step of a large collective takes tens to hundreds.
@@ -533,6 +535,10 @@ bool may_split() {
   return plan.count + plan.idle > 0;
 }
 
+bool allow_idle_helpers(bool allowed) {
+  return g_idle_allowed.exchange(allowed, std::memory_order_relaxed);
+}
+
 std::pair<uint64_t, uint64_t> split_counts() {
   return {g_splits.load(std::memory_order_relaxed), g_idle_splits.load(std::memory_order_relaxed)};
 }
@@ -595,7 +601,7 @@ void split(size_t total, size_t align, size_t min_per_piece, Part part, void* ct
   const size_t units_per_piece = std::max<size_t>(align, min_per_piece);
   const size_t most = total / units_per_piece;
   int helpers = plan.count;
-  if (plan.idle > 0 && most > static_cast<size_t>(helpers) + 1) {
+  if (plan.idle > 0 && most > static_cast<size_t>(helpers) + 1 && g_idle_allowed.load(std::memory_order_relaxed)) {
     helpers += idle_now(plan.idle);
   }
   const int pieces = static_cast<int>(std::min<size_t>(helpers + 1, most));

@@ -63,6 +63,9 @@ bool may_split();
 int idle_share(int allowed, int running, int awake, int local, int most);
 // The host's runnable threads now (/proc/loadavg's fourth field), -1 where unknown.
 int runnable_threads();
+// Whether splits may take idle helpers from now on (default true; where the plan has
+// none, nothing changes); returns the previous setting.
+bool allow_idle_helpers(bool allowed);
 // Splits that ran on helpers, and of them those that used idle helpers (process totals).
 std::pair<uint64_t, uint64_t> split_counts();
 

@@ -181,6 +181,12 @@ PYBIND11_MODULE(_C, m) {
       "this rank's helpers, on `allowed` CPUs shared by `local` ranks, at most `most`.");
   m.def("_runnable_threads", &oneccl_bind_pt::runnable_threads, "The host's runnable threads now (-1: unknown).");
   m.def(
+      "_allow_idle_helpers",
+      &oneccl_bind_pt::allow_idle_helpers,
+      py::arg("allowed"),
+      "Whether large copies and reductions may take idle helpers from now on (the plan's, "
+      "ONECCL_BIND_PT_IDLE_HELPERS); returns the previous setting. For benchmarks that compare.");
+  m.def(
       "_split_counts",
       [] { return oneccl_bind_pt::split_counts(); },
       "(splits run on helpers, of them those that used idle helpers) in this process so far.");

@@ -80,9 +80,8 @@ def test_the_two_parts_split_the_set_and_narrow_the_runs_from_4_ranks(tmp_path):
     assert [n for n in both if n in one] == list(one), list(both)  # part 1's order within all
     # Part 1 starts with DDP; part 2 with its longest run (bench writes its JSON only at its end),
     # and DDP last: a budget cuts the last runs.
-    assert list(one)[:4] == [n for n in one if n.startswith("bench_ddp")], list(one)
-    assert list(two) == ["bench 8 ranks", "bench_ddp 2 ranks x 8 threads view=1",
-                         "bench_ddp 2 ranks x 7 threads workers=1"], list(two)
+    assert list(one)[:3] == [n for n in one if n.startswith("bench_ddp")], list(one)
+    assert list(two) == ["bench 8 ranks", "bench_ddp 2 ranks x 7 threads workers=1"], list(two)
     assert _option(two["bench 8 ranks"][0], "--sizes") == "4K,1M,16M,64M"
     assert _option(one["bench 4 ranks"][0], "--ops") == "allreduce,allgather,reduce_scatter,alltoall,broadcast,sendrecv"
     cmd, _ = one["bench 2 ranks"]
@@ -90,10 +89,13 @@ def test_the_two_parts_split_the_set_and_narrow_the_runs_from_4_ranks(tmp_path):
     for n, runs in ((4, one), (8, two)):
         cmd, _ = runs[f"bench {n} ranks"]
         assert _option(cmd, "--dtypes") == "float32" and _option(cmd, "--backends") == "ccl,single,oneccl,oneccl+w"
-    assert one["bench_ddp 2 ranks x 8 threads idle=auto"][1] == {"OMP_NUM_THREADS": "8",
-                                                                "ONECCL_BIND_PT_IDLE_HELPERS": "auto"}
+    # Idle helpers are one more configuration in each DDP run's processes, not a run of their own.
+    assert all(_option(c, "--configs") == "ccl,ccl+idle,oneccl,gloo,local" for n, (c, _) in {**one, **two}.items()
+               if n.startswith("bench_ddp"))
     assert one["bench_ddp 2 ranks x 8 threads"][1] == {"OMP_NUM_THREADS": "8"}
-    assert "--bucket-view" in two["bench_ddp 2 ranks x 8 threads view=1"][0]
+    assert _planned(tmp_path / "i", "--ddp", "2x8:idle=auto", "--ranks", "")["bench_ddp 2 ranks x 8 threads idle=auto"][
+        1] == {"OMP_NUM_THREADS": "8", "ONECCL_BIND_PT_IDLE_HELPERS": "auto"}
+    assert "--bucket-view" in one["bench_ddp 2 ranks x 8 threads view=1"][0]
     assert "--bucket-view" not in one["bench_ddp 2 ranks x 8 threads"][0]
     assert two["bench_ddp 2 ranks x 7 threads workers=1"][1] == {"OMP_NUM_THREADS": "7", "ONECCL_BIND_PT_WORKERS": "1"}
     chunk = _planned(tmp_path / "c", "--part", "2", "--helpers", "3:chunk=2M;copy=loop,3:kernels=avx512", "--ranks", "",
@@ -147,9 +149,14 @@ def test_report_compares_ccl_with_the_faster_oneccl_column(tmp_path):
     assert "worst ccl/best: 1.50" in r.stdout, r.stdout
     # And DDP's communication time, ccl against oneccl and gloo, per run and dtype.
     ddp = {"2x8-view1": {"results": {"float32": {"ccl": {"comm_ms": 30.0}, "oneccl": {"comm_ms": 60.0},
-                                                 "gloo": {"comm_ms": 120.0}, "local": {}}}}}
+                                                 "gloo": {"comm_ms": 120.0}, "local": {}}}},
+           "4x4": {"results": {"float32": {"ccl": {"comm_ms": 30.0}, "ccl+idle": {"comm_ms": 15.0},
+                                           "oneccl": {"comm_ms": 60.0}, "gloo": {"comm_ms": 120.0}, "local": {}}}}}
     (tmp_path / "ddp.json").write_text(json.dumps(ddp))
     r = subprocess.run([sys.executable, SCRIPT, "report", tmp_path], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     row = next(line.split() for line in r.stdout.splitlines() if line.startswith("  2x8-view1"))
-    assert row == ["2x8-view1", "float32", "30.0", "60.0", "120.0", "0.50", "0.25"], r.stdout
+    # ccl, ccl+idle, oneccl, gloo, then ccl/oneccl, ccl/gloo, idle/oneccl, idle/gloo
+    assert row == ["2x8-view1", "float32", "30.0", "-", "60.0", "120.0", "0.50", "0.25", "-", "-"], r.stdout
+    row = next(line.split() for line in r.stdout.splitlines() if line.startswith("  4x4"))
+    assert row == ["4x4", "float32", "30.0", "15.0", "60.0", "120.0", "0.50", "0.25", "0.25", "0.12"], r.stdout

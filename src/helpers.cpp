@@ -9,6 +9,7 @@
 #include <xmmintrin.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -224,6 +225,10 @@ std::string of(int n, const char* what) {
 int g_allowed = 1;
 int g_local = 1;
 int g_loadavg = -1; // /proc/loadavg, opened with the plan where it has idle helpers
+std::atomic<int> g_main_stat{-1}; // the main thread's /proc stat, opened at the first reading
+// Idle helpers a split takes whenever this rank's compute is idle: the rank's own cores
+// less the op's thread, oneCCL's workers and the helpers it always has (set with the plan).
+int g_own_idle = 0;
 
 // A whole number from `least` to `most` in `name`, or -1 where unset or empty; "auto"
 // (where `automatic` allows it) gives -2.
@@ -256,7 +261,7 @@ HelperPlan choose() {
   const int local = local_ranks();
   const int workers = oneccl_workers();
   RankCores mine;
-  if (forced < 0 || idle == -2) {
+  if (forced < 0 || idle != -1) {
     mine = rank_cores(local);
   }
   if (forced >= 0) {
@@ -276,12 +281,12 @@ HelperPlan choose() {
     // kMaxHelpers with the others.
     plan.idle = static_cast<int>(std::clamp<long>(static_cast<long>(mine.cores) - 1 - workers - plan.count, 0,
                                                   std::max(0, kMaxHelpers - plan.count)));
-    plan.description += "; up to " + std::to_string(plan.idle) + " more while the host has idle cores (" +
+    plan.description += "; up to " + std::to_string(plan.idle) + " more while this rank's compute or the host is idle (" +
         of(mine.cores, "core") + " less the op's thread" + (workers > 0 ? " and " + of(workers, "oneCCL worker") : "") +
         "; ONECCL_BIND_PT_IDLE_HELPERS=auto)";
   } else if (idle > 0) {
     plan.idle = idle;
-    plan.description += "; up to " + std::to_string(plan.idle) + " more while the host has idle cores (ONECCL_BIND_PT_IDLE_HELPERS)";
+    plan.description += "; up to " + std::to_string(plan.idle) + " more while this rank's compute or the host is idle (ONECCL_BIND_PT_IDLE_HELPERS)";
   }
   // What /proc/loadavg's count of runnable threads is out of: the host's CPUs, or a
   // container's (its cpuset, its CPU quota), not this rank's own narrower set.
@@ -301,6 +306,15 @@ HelperPlan choose() {
     }
   }
   g_local = local;
+  if (plan.idle > 0) {
+    // ONECCL_BIND_PT_IDLE_CPUS stands for the host's CPUs here too: shared by its ranks.
+    const long cores = idle_cpus > 0 ? std::max(1, idle_cpus / std::max(1, local)) : mine.cores;
+    g_own_idle = static_cast<int>(std::clamp<long>(cores - 1 - workers - plan.count, 0, plan.idle));
+    if (g_own_idle < plan.idle) {
+      plan.description += "; " + std::to_string(g_own_idle) + " of them whenever this rank's compute is idle (" +
+          of(static_cast<int>(cores), "core") + " for this rank)";
+    }
+  }
   return plan;
 }
 
@@ -474,6 +488,43 @@ constexpr auto kReadIdleEvery = std::chrono::microseconds(200);
 std::atomic<int64_t> g_idle_until{0};
 std::atomic<int> g_idle_now{0};
 
+std::atomic<bool> g_main_sleeps{false};
+
+bool on_main_thread() {
+  return syscall(SYS_gettid) == getpid();
+}
+
+// Whether the process's main thread is asleep (waiting: for a Future, a lock, I/O), read
+// from its /proc stat; false where that cannot be read.
+bool main_thread_sleeps() {
+  int fd = g_main_stat.load(std::memory_order_relaxed);
+  if (fd < 0) {
+    const std::string path = "/proc/self/task/" + std::to_string(getpid()) + "/stat";
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    int none = -1;
+    if (fd >= 0 && !g_main_stat.compare_exchange_strong(none, fd)) {
+      ::close(fd); // another thread opened it first
+      fd = none;
+    }
+  }
+  char text[512];
+  const ssize_t n = fd < 0 ? -1 : ::pread(fd, text, sizeof text - 1, 0);
+  if (n <= 0) {
+    return false;
+  }
+  text[n] = '\0';
+  // "pid (comm) S ...": the state follows the last ')' (a name may hold one).
+  const char* close = std::strrchr(text, ')');
+  return close && close[1] == ' ' && (close[2] == 'S' || close[2] == 'D');
+}
+
+// Idle helpers a split may take now. Where this rank's torch compute is idle, as many as its
+// own cores leave (g_own_idle): the split runs on the main thread, or the main thread sleeps
+// (DDP's last buckets, waited for after the backward pass), so its OpenMP team has no work.
+// libgomp's threads spin a few ms past each parallel region, runnable meanwhile, which
+// /proc/loadavg cannot tell from work. Otherwise the host's free CPUs decide (idle_share).
+// A training script computes on its main thread; one that computes elsewhere while the
+// main thread waits shares its cores with the helpers.
 int idle_now(int most) {
   const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
   if (now >= g_idle_until.load(std::memory_order_relaxed)) {
@@ -483,8 +534,13 @@ int idle_now(int most) {
     const int running = runnable_threads();
     g_idle_now.store(running < 0 ? 0 : idle_share(g_allowed, running, p ? p->awake() : 0, g_local, most),
                      std::memory_order_relaxed);
+    g_main_sleeps.store(main_thread_sleeps(), std::memory_order_relaxed);
   }
-  return g_idle_now.load(std::memory_order_relaxed);
+  const int host = g_idle_now.load(std::memory_order_relaxed);
+  if (on_main_thread() || g_main_sleeps.load(std::memory_order_relaxed)) {
+    return std::max(host, std::min(most, g_own_idle));
+  }
+  return host;
 }
 
 } // namespace
@@ -548,6 +604,10 @@ void forget_helpers_in_child() {
   g_splits.store(0, std::memory_order_relaxed);
   g_idle_splits.store(0, std::memory_order_relaxed);
   g_idle_until.store(0, std::memory_order_relaxed);
+  const int stat = g_main_stat.exchange(-1, std::memory_order_relaxed); // the parent's main thread
+  if (stat >= 0) {
+    ::close(stat);
+  }
   pthread_mutex_init(&g_making, nullptr);
 }
 

@@ -57,9 +57,11 @@ const HelperPlan& helper_plan();
 // reduction runs on the calling thread without asking.
 bool may_split();
 
-// The idle helpers a split may use now: the CPUs this process may use less the host's
-// runnable threads (helpers awake count as idle: this rank's `awake`, as many for each
-// other local rank), divided among the `local` ranks; from 0 to `most`.
+// The idle helpers a split may use, by the host's count: the CPUs this process may use less
+// the host's runnable threads (helpers awake count as idle: this rank's `awake`, as many for
+// each other local rank), divided among the `local` ranks; from 0 to `most`. Where this
+// rank's compute is idle (the split on the main thread, or the main thread asleep), a split
+// takes at least as many as the rank's own cores leave (helpers.cpp, idle_now).
 int idle_share(int allowed, int running, int awake, int local, int most);
 // The host's runnable threads now (/proc/loadavg's fourth field), -1 where unknown.
 int runnable_threads();

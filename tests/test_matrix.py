@@ -212,7 +212,7 @@ def _helper_split(rank, world, path, helpers, idle=0):
 
     said = f"helpers {helpers} (ONECCL_BIND_PT_HELPERS)"
     if idle:
-        said += (f"; up to {idle} more while the host has idle cores (ONECCL_BIND_PT_IDLE_HELPERS); "
+        said += (f"; up to {idle} more while this rank's compute or the host is idle (ONECCL_BIND_PT_IDLE_HELPERS); "
                  "idle cores counted among 64 CPUs (ONECCL_BIND_PT_IDLE_CPUS)")
     assert _C.helpers() == said, _C.helpers()
     taken = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
@@ -300,6 +300,53 @@ def test_idle_helpers_split_large_messages_exactly(helpers):
         assert threads == helpers + 2, f"rank {rank}: {threads} helper threads, {helpers} and 2 idle ones asked for"
         # Every split has pieces for them (64 CPUs less a few runnable threads, halved: more than 2).
         assert splits > 0 and idle == splits, f"rank {rank}: {idle} of {splits} splits took idle helpers"
+
+
+# Where the rank's compute is idle, its idle helpers split whatever the host's count says, as
+# many as its cores leave: the op runs on the main thread, or the main thread sleeps (as DDP
+# waits for its last buckets). While the main thread computes, the count decides. Here each
+# rank takes itself for the host's only one (CCL_LOCAL_SIZE=1: 2 cores, so 1 idle helper
+# fits) and the count, of 2 CPUs with both ranks busy, finds none free: on the build before
+# this rule no split took one. ONECCL_BIND_PT_IDLE_CPUS=2 counts the host as 2 CPUs whatever
+# this machine has.
+def _idle_by_compute(rank, world):
+    from oneccl_bind_pt import _C
+
+    n = 4 << 20  # 16 MiB of float32: eight staging chunks
+    want = torch.arange(n, dtype=torch.float32) * world + sum(range(world))
+
+    def counted(run):
+        before = _C._split_counts()
+        t = torch.arange(n, dtype=torch.float32) + rank
+        run(t)
+        assert torch.equal(t, want)
+        return [now - then for now, then in zip(_C._split_counts(), before)]
+
+    def busy(t):  # the op on the background thread, the main thread computing beside it
+        fut = dist.all_reduce(t, async_op=True).get_future()
+        while not fut.done():
+            pass
+        fut.wait()
+
+    counts = {"main thread": counted(dist.all_reduce),
+              "asleep": counted(lambda t: dist.all_reduce(t, async_op=True).get_future().wait()),
+              "computing": counted(busy)}
+    dist.barrier()
+    return counts
+
+
+def test_idle_helpers_split_while_the_ranks_compute_is_idle():
+    env = {**TRANSPORTS["shm"], "ONECCL_BIND_PT_IDLE_HELPERS": "1", "ONECCL_BIND_PT_SHM_SINGLE_COPY": "0",
+           "CCL_LOCAL_SIZE": "1", "ONECCL_BIND_PT_IDLE_CPUS": "2"}
+    for rank, counts in enumerate(run_ranks(_idle_by_compute, 2, env=env, timeout=300)):
+        (splits, idle) = counts["main thread"]
+        assert splits > 0 and idle == splits, (rank, counts)
+        # Asleep: read every 200 us, so the first splits may still see it awake.
+        (splits, idle) = counts["asleep"]
+        assert splits > 0 and idle == splits, (rank, counts)
+        # Computing: none, but where a reading falls on a moment the main thread waits (a lock
+        # as it takes the Future): the 200 us until the next reading (of 48 splits).
+        assert counts["computing"][1] <= 2, (rank, counts)
 
 
 @pytest.mark.parametrize("allowed, running, awake, local, most, share", [
@@ -403,7 +450,7 @@ def test_idle_helpers_auto_take_the_cores_but_the_ops_thread():
     if "a CPU quota" in said:
         pytest.skip(f"a container's CPU quota decides here: {said}")
     idle = min(6, cpus - 1)
-    assert said.startswith("helpers 0 (") and f"; up to {idle} more while the host has idle cores (" in said, said
+    assert said.startswith("helpers 0 (") and f"; up to {idle} more while this rank's compute or the host is idle (" in said, said
     assert said.endswith("ONECCL_BIND_PT_IDLE_HELPERS=auto)"), said
 
 

@@ -160,12 +160,16 @@ def train(args, rank, world, dtype, groups, control):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     times = {c: [] for c in ddp}
     splits = {c: [0, 0] for c in ddp}  # this rank's splits on helpers in timed steps, and with idle ones
+
+    def idle_for(c):
+        if IDLE in ddp:
+            _C._allow_idle_helpers(c == IDLE)
+
     for step in range(args.warmup + args.steps):
         xs = [batch(args, g) for g in gens]
         x = xs[rank]
         for c, model in ddp.items():
-            if IDLE in ddp:
-                _C._allow_idle_helpers(c == IDLE)
+            idle_for(c)
             dist.barrier(group=control)  # every rank starts the step together
             before = _C._split_counts()
             start = time.perf_counter()
@@ -178,12 +182,12 @@ def train(args, rank, world, dtype, groups, control):
         ref_opt.zero_grad(set_to_none=True)
         loss(ref, torch.cat(xs), dtype, torch.float32).backward()
         ref_opt.step()
-    _C._allow_idle_helpers(True)
     ref_update = _flat(ref.parameters()) - ref_start
     # The gradient check: one more step on a fresh batch, without the optimizer's step.
     xs = [batch(args, g) for g in gens]
     summary = {}
     for c, model in ddp.items():
+        idle_for(c)
         model.zero_grad(set_to_none=True)
         loss(model, xs[rank], dtype, dtype).backward()
         params = list(model.parameters())
@@ -225,6 +229,13 @@ def train(args, rank, world, dtype, groups, control):
 
 
 def run(rank, world, args):
+    try:
+        measure(rank, world, args)
+    finally:
+        _C._allow_idle_helpers(True)  # as the process found it
+
+
+def measure(rank, world, args):
     control = dist.new_group(backend="gloo")  # barriers and the timings, outside what is measured
     made = {"ccl": lambda: dist.group.WORLD, IDLE: lambda: group_with(world, {}),
             "oneccl": lambda: group_with(world, GROUP_ENV["oneccl"]), "gloo": lambda: dist.new_group(backend="gloo"),
@@ -327,4 +338,6 @@ if __name__ == "__main__":
     if IDLE in parsed.configs:
         # Read once per process, at the first large split: set before any group exists.
         os.environ.setdefault("ONECCL_BIND_PT_IDLE_HELPERS", "auto")
+        if os.environ["ONECCL_BIND_PT_IDLE_HELPERS"].strip() == "0":
+            print(f"note: ONECCL_BIND_PT_IDLE_HELPERS=0 is set, so {IDLE} runs as ccl does", file=sys.stderr)
     sys.exit(launch(run, parsed))

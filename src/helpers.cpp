@@ -1,4 +1,5 @@
 #include "helpers.hpp"
+#include "made_once.hpp"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -225,7 +226,6 @@ std::string of(int n, const char* what) {
 int g_allowed = 1;
 int g_local = 1;
 int g_loadavg = -1; // /proc/loadavg, opened with the plan where it has idle helpers
-std::atomic<int> g_main_stat{-1}; // the main thread's /proc stat, opened at the first reading
 // Idle helpers a split takes whenever this rank's compute is idle: the rank's own cores
 // less the op's thread, oneCCL's workers and the helpers it always has (set with the plan).
 int g_own_idle = 0;
@@ -307,8 +307,8 @@ HelperPlan choose() {
   }
   g_local = local;
   if (plan.idle > 0) {
-    // ONECCL_BIND_PT_IDLE_CPUS stands for the host's CPUs here too: shared by its ranks.
-    const long cores = idle_cpus > 0 ? std::max(1, idle_cpus / std::max(1, local)) : mine.cores;
+    // ONECCL_BIND_PT_IDLE_CPUS, the host's CPUs for the count, caps this too (shared by its ranks).
+    const long cores = idle_cpus > 0 ? std::min(mine.cores, std::max(1, idle_cpus / std::max(1, local))) : mine.cores;
     g_own_idle = static_cast<int>(std::clamp<long>(cores - 1 - workers - plan.count, 0, plan.idle));
     if (g_own_idle < plan.idle) {
       plan.description += "; " + std::to_string(g_own_idle) + " of them whenever this rank's compute is idle (" +
@@ -488,43 +488,63 @@ constexpr auto kReadIdleEvery = std::chrono::microseconds(200);
 std::atomic<int64_t> g_idle_until{0};
 std::atomic<int> g_idle_now{0};
 
-std::atomic<bool> g_main_sleeps{false};
+thread_local pid_t t_issuer = 0; // IssuerScope's
 
-bool on_main_thread() {
-  return syscall(SYS_gettid) == getpid();
-}
+// The last reading of an issuing thread's state, read again at most every kReadIdleEvery.
+// Plain data under a pthread mutex, which a forked child can set up afresh.
+pthread_mutex_t g_issuer_lock = PTHREAD_MUTEX_INITIALIZER;
+pid_t g_issuer_tid = 0;
+int g_issuer_fd = -1; // its /proc stat; -2: could not be opened (a thread gone, another /proc)
+int g_issuer_asleep = 0; // readings in a row that found it asleep
+int64_t g_issuer_until = 0;
 
-// Whether the process's main thread is asleep (waiting: for a Future, a lock, I/O), read
-// from its /proc stat; false where that cannot be read.
-bool main_thread_sleeps() {
-  int fd = g_main_stat.load(std::memory_order_relaxed);
-  if (fd < 0) {
-    const std::string path = "/proc/self/task/" + std::to_string(getpid()) + "/stat";
-    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    int none = -1;
-    if (fd >= 0 && !g_main_stat.compare_exchange_strong(none, fd)) {
-      ::close(fd); // another thread opened it first
-      fd = none;
-    }
-  }
+// Whether `fd`'s thread is asleep (waiting: for a Future, a lock, I/O).
+bool stat_says_asleep(int fd) {
   char text[512];
-  const ssize_t n = fd < 0 ? -1 : ::pread(fd, text, sizeof text - 1, 0);
+  const ssize_t n = ::pread(fd, text, sizeof text - 1, 0);
   if (n <= 0) {
     return false;
   }
   text[n] = '\0';
-  // "pid (comm) S ...": the state follows the last ')' (a name may hold one).
+  // "tid (comm) S ...": the state follows the last ')' (a name may hold one).
   const char* close = std::strrchr(text, ')');
   return close && close[1] == ' ' && (close[2] == 'S' || close[2] == 'D');
 }
 
+// Whether thread `tid` of this process has been asleep for two readings in a row (one
+// could fall on a moment it waits inside its own compute: a lock, an OpenMP barrier whose
+// runtime sleeps at once). One thread's readings are kept: where ops of several issuers
+// interleave, each change starts the count again (the rule then rarely applies).
+bool issuer_sleeps(pid_t tid, int64_t now) {
+  pthread_mutex_lock(&g_issuer_lock);
+  if (tid != g_issuer_tid) {
+    if (g_issuer_fd >= 0) {
+      ::close(g_issuer_fd);
+    }
+    const std::string path = "/proc/self/task/" + std::to_string(tid) + "/stat";
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    g_issuer_tid = tid;
+    g_issuer_fd = fd >= 0 ? fd : -2;
+    g_issuer_asleep = 0;
+    g_issuer_until = 0;
+  }
+  if (g_issuer_fd >= 0 && now >= g_issuer_until) {
+    g_issuer_until = now + std::chrono::nanoseconds(kReadIdleEvery).count();
+    g_issuer_asleep = stat_says_asleep(g_issuer_fd) ? g_issuer_asleep + 1 : 0;
+  }
+  const bool asleep = g_issuer_asleep >= 2;
+  pthread_mutex_unlock(&g_issuer_lock);
+  return asleep;
+}
+
 // Idle helpers a split may take now. Where this rank's torch compute is idle, as many as its
-// own cores leave (g_own_idle): the split runs on the main thread, or the main thread sleeps
-// (DDP's last buckets, waited for after the backward pass), so its OpenMP team has no work.
-// libgomp's threads spin a few ms past each parallel region, runnable meanwhile, which
-// /proc/loadavg cannot tell from work. Otherwise the host's free CPUs decide (idle_share).
-// A training script computes on its main thread; one that computes elsewhere while the
-// main thread waits shares its cores with the helpers.
+// own cores leave (g_own_idle): the split runs on the thread that issued the op (a
+// collective waited for where it was issued), or that thread sleeps (DDP's reducer waiting
+// for its last buckets after the backward pass), so the OpenMP team it computes with has
+// no work. libgomp's threads spin a few ms past each parallel region, runnable meanwhile,
+// which /proc/loadavg cannot tell from work. Otherwise the host's free CPUs decide
+// (idle_share). The issuer stands for the rank's compute: torch's parallel regions start
+// from the thread that computes, which issues the collectives in a training loop.
 int idle_now(int most) {
   const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
   if (now >= g_idle_until.load(std::memory_order_relaxed)) {
@@ -534,11 +554,13 @@ int idle_now(int most) {
     const int running = runnable_threads();
     g_idle_now.store(running < 0 ? 0 : idle_share(g_allowed, running, p ? p->awake() : 0, g_local, most),
                      std::memory_order_relaxed);
-    g_main_sleeps.store(main_thread_sleeps(), std::memory_order_relaxed);
   }
   const int host = g_idle_now.load(std::memory_order_relaxed);
-  if (on_main_thread() || g_main_sleeps.load(std::memory_order_relaxed)) {
-    return std::max(host, std::min(most, g_own_idle));
+  if (g_own_idle > 0) {
+    const pid_t issuer = t_issuer != 0 ? t_issuer : getpid();
+    if (issuer == this_thread_id() || issuer_sleeps(issuer, now)) {
+      return std::max(host, std::min(most, g_own_idle));
+    }
   }
   return host;
 }
@@ -591,6 +613,26 @@ bool may_split() {
   return plan.count + plan.idle > 0;
 }
 
+pid_t this_thread_id() {
+  // Once per thread (every op asks, at issue): a forked child's thread asks again.
+  thread_local pid_t tid = 0;
+  thread_local unsigned forks = 0;
+  const unsigned now = g_forks.load(std::memory_order_relaxed);
+  if (tid == 0 || forks != now) {
+    tid = static_cast<pid_t>(syscall(SYS_gettid));
+    forks = now;
+  }
+  return tid;
+}
+
+IssuerScope::IssuerScope(pid_t issuer) : previous_(t_issuer) {
+  t_issuer = issuer;
+}
+
+IssuerScope::~IssuerScope() {
+  t_issuer = previous_;
+}
+
 bool allow_idle_helpers(bool allowed) {
   return g_idle_allowed.exchange(allowed, std::memory_order_relaxed);
 }
@@ -604,10 +646,13 @@ void forget_helpers_in_child() {
   g_splits.store(0, std::memory_order_relaxed);
   g_idle_splits.store(0, std::memory_order_relaxed);
   g_idle_until.store(0, std::memory_order_relaxed);
-  const int stat = g_main_stat.exchange(-1, std::memory_order_relaxed); // the parent's main thread
-  if (stat >= 0) {
-    ::close(stat);
+  pthread_mutex_init(&g_issuer_lock, nullptr);
+  if (g_issuer_fd >= 0) {
+    ::close(g_issuer_fd); // a thread of the parent's
   }
+  g_issuer_tid = 0;
+  g_issuer_fd = -1;
+  g_issuer_asleep = 0;
   pthread_mutex_init(&g_making, nullptr);
 }
 

@@ -19,6 +19,8 @@
 // the backward pass, when the cores torch's threads computed on go idle.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -60,11 +62,28 @@ bool may_split();
 // The idle helpers a split may use, by the host's count: the CPUs this process may use less
 // the host's runnable threads (helpers awake count as idle: this rank's `awake`, as many for
 // each other local rank), divided among the `local` ranks; from 0 to `most`. Where this
-// rank's compute is idle (the split on the main thread, or the main thread asleep), a split
-// takes at least as many as the rank's own cores leave (helpers.cpp, idle_now).
+// rank's compute is idle (the split on the thread that issued the op, or that thread
+// asleep), a split takes at least as many as the rank's own cores leave (helpers.cpp,
+// idle_now).
 int idle_share(int allowed, int running, int awake, int local, int most);
 // The host's runnable threads now (/proc/loadavg's fourth field), -1 where unknown.
 int runnable_threads();
+// This thread's id (gettid).
+pid_t this_thread_id();
+// Names the thread that issued the op whose work runs on this thread meanwhile (its Work's
+// start and polls): idle helpers take the rank's own cores where that thread is the one
+// running the op or is asleep (helpers.cpp, idle_now). Outside a scope, the main thread.
+class IssuerScope {
+ public:
+  explicit IssuerScope(pid_t issuer);
+  ~IssuerScope();
+  IssuerScope(const IssuerScope&) = delete;
+  IssuerScope& operator=(const IssuerScope&) = delete;
+
+ private:
+  pid_t previous_;
+};
+
 // Whether splits may take idle helpers from now on (default true; where the plan has
 // none, nothing changes); returns the previous setting.
 bool allow_idle_helpers(bool allowed);

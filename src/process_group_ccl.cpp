@@ -273,6 +273,7 @@ void ProcessGroupCCL::start_now(const c10::intrusive_ptr<WorkCCL>& work, Call& c
   bool finished = false;
   {
     std::lock_guard<std::mutex> lock(progress.ccl_mutex());
+    const IssuerScope issued_by(work->issuer_); // this thread, as the Work was made here
     work->pending = comm_->start(call.op.name, std::move(call.prims));
     // Not at once behind an earlier collective of this group and lane: oneCCL can finish a
     // small op before a large one issued earlier, and its Future's callbacks would run first.

@@ -185,6 +185,7 @@ bool WorkCCL::poll_locked(Clock::time_point now) {
     return true;
   }
   try {
+    const IssuerScope issued_by(issuer_);
     if (pending->poll()) {
       source_rank_ = pending->source_rank();
       return true;
@@ -722,6 +723,7 @@ bool Progress::start_deferred() {
     } else {
       if (error.empty()) {
         try {
+          const IssuerScope issued_by(next->issuer_);
           next->pending = next->comm_->start(next->op_.name, std::move(next->deferred_prims));
           // Its timeout counts from its start, as an op started at once does.
           next->deadline_ = Clock::now() + next->timeout_;

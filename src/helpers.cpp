@@ -490,13 +490,20 @@ std::atomic<int> g_idle_now{0};
 
 thread_local pid_t t_issuer = 0; // IssuerScope's
 
-// The last reading of an issuing thread's state, read again at most every kReadIdleEvery.
-// Plain data under a pthread mutex, which a forked child can set up afresh.
+// The last readings of the issuing threads' states, each read again at most every
+// kReadIdleEvery; a few threads' at once (ops of several issuers interleave). Plain data
+// under a pthread mutex, which a forked child can set up afresh.
+struct IssuerReading {
+  pid_t tid = 0;
+  int fd = -1; // its /proc stat; -2: could not be opened (a thread gone, another /proc)
+  int asleep = 0; // readings in a row, each within kReadAgainWithin of the last, that found it asleep
+  int64_t read_at = 0;
+};
+constexpr int kIssuersKept = 4;
+// A reading older than this starts the count again: readings come only with splits.
+constexpr auto kReadAgainWithin = std::chrono::microseconds(600);
 pthread_mutex_t g_issuer_lock = PTHREAD_MUTEX_INITIALIZER;
-pid_t g_issuer_tid = 0;
-int g_issuer_fd = -1; // its /proc stat; -2: could not be opened (a thread gone, another /proc)
-int g_issuer_asleep = 0; // readings in a row that found it asleep
-int64_t g_issuer_until = 0;
+IssuerReading g_issuers[kIssuersKept];
 
 // Whether `fd`'s thread is asleep (waiting: for a Future, a lock, I/O).
 bool stat_says_asleep(int fd) {
@@ -513,26 +520,35 @@ bool stat_says_asleep(int fd) {
 
 // Whether thread `tid` of this process has been asleep for two readings in a row (one
 // could fall on a moment it waits inside its own compute: a lock, an OpenMP barrier whose
-// runtime sleeps at once). One thread's readings are kept: where ops of several issuers
-// interleave, each change starts the count again (the rule then rarely applies).
+// runtime sleeps at once).
 bool issuer_sleeps(pid_t tid, int64_t now) {
+  using std::chrono::nanoseconds;
   pthread_mutex_lock(&g_issuer_lock);
-  if (tid != g_issuer_tid) {
-    if (g_issuer_fd >= 0) {
-      ::close(g_issuer_fd);
+  IssuerReading* r = nullptr;
+  for (auto& kept : g_issuers) {
+    if (kept.tid == tid) {
+      r = &kept;
+      break;
+    }
+    if (!r || kept.read_at < r->read_at) {
+      r = &kept; // else the one read longest ago makes room
+    }
+  }
+  if (r->tid != tid) {
+    if (r->fd >= 0) {
+      ::close(r->fd);
     }
     const std::string path = "/proc/self/task/" + std::to_string(tid) + "/stat";
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    g_issuer_tid = tid;
-    g_issuer_fd = fd >= 0 ? fd : -2;
-    g_issuer_asleep = 0;
-    g_issuer_until = 0;
+    *r = IssuerReading{tid, fd >= 0 ? fd : -2, 0, 0};
   }
-  if (g_issuer_fd >= 0 && now >= g_issuer_until) {
-    g_issuer_until = now + std::chrono::nanoseconds(kReadIdleEvery).count();
-    g_issuer_asleep = stat_says_asleep(g_issuer_fd) ? g_issuer_asleep + 1 : 0;
+  const int64_t every = nanoseconds(kReadIdleEvery).count();
+  if (r->fd >= 0 && now - r->read_at >= every) {
+    const bool recent = now - r->read_at <= nanoseconds(kReadAgainWithin).count();
+    r->asleep = stat_says_asleep(r->fd) ? (recent ? r->asleep : 0) + 1 : 0;
+    r->read_at = now;
   }
-  const bool asleep = g_issuer_asleep >= 2;
+  const bool asleep = r->asleep >= 2;
   pthread_mutex_unlock(&g_issuer_lock);
   return asleep;
 }
@@ -625,6 +641,10 @@ pid_t this_thread_id() {
   return tid;
 }
 
+pid_t current_issuer() {
+  return t_issuer != 0 ? t_issuer : this_thread_id();
+}
+
 IssuerScope::IssuerScope(pid_t issuer) : previous_(t_issuer) {
   t_issuer = issuer;
 }
@@ -646,13 +666,12 @@ void forget_helpers_in_child() {
   g_splits.store(0, std::memory_order_relaxed);
   g_idle_splits.store(0, std::memory_order_relaxed);
   g_idle_until.store(0, std::memory_order_relaxed);
+  // The parent's threads' readings: their fds are left open (the fork may have come while
+  // another thread was changing one, so a number here may not be ours to close).
   pthread_mutex_init(&g_issuer_lock, nullptr);
-  if (g_issuer_fd >= 0) {
-    ::close(g_issuer_fd); // a thread of the parent's
+  for (auto& kept : g_issuers) {
+    kept = IssuerReading{};
   }
-  g_issuer_tid = 0;
-  g_issuer_fd = -1;
-  g_issuer_asleep = 0;
   pthread_mutex_init(&g_making, nullptr);
 }
 

@@ -300,7 +300,10 @@ void WorkCCL::complete() {
     auto holds = comm_->internal_holds();
     holds->fetch_add(1, std::memory_order_acq_rel);
     std::shared_ptr<void> hold(nullptr, [holds](void*) { holds->fetch_sub(1, std::memory_order_acq_rel); });
-    Callbacks::get().post(lane_, [sync = sync_, hold, future, error, value = future_value()]() mutable {
+    Callbacks::get().post(lane_, [sync = sync_, hold, future, error, value = future_value(),
+                                  issuer = issuer_]() mutable {
+      // Ops the callbacks issue count as this op's issuer's, not the callback thread's.
+      const IssuerScope issued_by(issuer);
       try {
         if (error) {
           future->setError(error);

@@ -158,7 +158,7 @@ class WorkCCL : public c10d::Work {
   bool in_finishing_ = false;  // in Progress::finishing_ until complete() is done with it
   bool starting_ = false;      // deferred, and being started by some thread
   std::shared_ptr<std::atomic<int>> job_ops_; // issued inside a callback: that job's count of ops in flight
-  const pid_t issuer_ = this_thread_id(); // the thread that issued it (idle helpers: helpers.hpp)
+  const pid_t issuer_ = current_issuer(); // the thread that issued it (idle helpers: helpers.hpp)
   void done_in_job();
   // Shared with the completion job, which holds this and not the Work: a job that held the
   // Work could hold its group's last reference, and tear the group down on a callback thread

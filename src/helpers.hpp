@@ -70,12 +70,13 @@ int idle_share(int allowed, int running, int awake, int local, int most);
 int runnable_threads();
 // This thread's id (gettid).
 pid_t this_thread_id();
-// Names the thread that issued the op whose work runs on this thread meanwhile (its Work's
-// start and polls): idle helpers take the rank's own cores where that thread is the one
-// running the op or is asleep (helpers.cpp, idle_now). Outside a scope, the main thread.
 // The issuer in scope on this thread, else this thread: what an op issued here counts as
 // its issuer (an op issued by a Future's callback counts as the completed op's issuer's).
 pid_t current_issuer();
+// Names the thread that issued the op whose work runs on this thread meanwhile (its Work's
+// start and polls, its Future's completion): idle helpers take the rank's own cores where
+// that thread is the one running the op or is asleep (helpers.cpp, idle_now). Outside a
+// scope, the main thread.
 class IssuerScope {
  public:
   explicit IssuerScope(pid_t issuer);

@@ -25,7 +25,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allreduce(
     return allreduce_sparse(tensors[0], opts);
   }
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
-  auto red = resolve_reduction(op, opts.reduceOp, t.scalar_type());
+  auto red = resolve_reduction(op, opts.reduceOp, t.scalar_type(), getSize());
   const int size = getSize();
   Call call{kAllreduce, pick_timeout(opts.timeout, timeout_), {t}, {t}};
   if (red->premul) {
@@ -106,7 +106,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::allreduce_coalesced(
     check_tensor(op, tensors[i], "tensors[" + std::to_string(i) + "]");
     check_same_dtype(op, tensors[i], tensors[0], "tensors[" + std::to_string(i) + "]");
   }
-  auto red = resolve_reduction(op, opts.reduceOp, tensors[0].scalar_type());
+  auto red = resolve_reduction(op, opts.reduceOp, tensors[0].scalar_type(), getSize());
   // One call on a flat copy: one latency instead of one per tensor.
   at::Tensor flat = flat_like(tensors);
   const int size = getSize();
@@ -129,7 +129,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce(
   const char* op = kReduce.name;
   at::Tensor t = single(op, tensors, /*dense_ok=*/true);
   check_rank(op, "root rank", opts.rootRank, getSize());
-  auto red = resolve_reduction(op, opts.reduceOp, t.scalar_type());
+  auto red = resolve_reduction(op, opts.reduceOp, t.scalar_type(), getSize());
   const int root = static_cast<int>(opts.rootRank);
   const bool is_root = getRank() == root;
   const int size = getSize();
@@ -178,7 +178,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter_tensor_coalesced(
   std::vector<at::Tensor> sends;
   bool copies = false;
   for (const auto& in : inputs) {
-    auto red = resolve_reduction(op, opts.reduceOp, in.scalar_type());
+    auto red = resolve_reduction(op, opts.reduceOp, in.scalar_type(), getSize());
     const bool copy = red->premul || red->allreduce_only(); // the caller's input stays untouched
     sends.push_back(copy ? at::empty_like(in) : in);
     copies = copies || copy;
@@ -224,7 +224,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCCL::reduce_scatter(
   check_list(op, inputs[0], out, getSize(), "input_list");
   const int size = getSize();
   const int rank = getRank();
-  auto red = resolve_reduction(op, opts.reduceOp, out.scalar_type());
+  auto red = resolve_reduction(op, opts.reduceOp, out.scalar_type(), getSize());
   bool even = true;
   for (const auto& t : inputs[0]) {
     even = even && t.numel() == inputs[0][0].numel();

@@ -195,9 +195,21 @@ Reduction make_reduction(
 std::shared_ptr<const Reduction> resolve_reduction(
     const char* op_name,
     const c10d::ReduceOp& op,
-    at::ScalarType dtype) {
+    at::ScalarType dtype,
+    int group_size) {
   if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
     return std::make_shared<const Reduction>(make_reduction(op_name, op, dtype));
+  }
+  if (op.op_ == c10d::ReduceOp::AVG && dtype == at::kHalf) {
+    // float16's sum passes its largest value (65504) long before the average does: each
+    // input is scaled by 1/n first, as NCCL does for floating types. (The other types keep
+    // sum-then-divide: their range makes the sum's overflow moot, and reduce_scatter would
+    // otherwise copy its whole input to scale it.)
+    Reduction r = make_reduction(op_name, op, dtype);
+    r.average = false;
+    r.premul = true;
+    r.premul_scalar = 1.0 / group_size;
+    return std::make_shared<const Reduction>(std::move(r));
   }
   // Every collective with a reduce op comes here: a lock-free read of a table by
   // (op, dtype). Building an entry copies a oneCCL attribute and allocates, so it

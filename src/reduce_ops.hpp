@@ -52,11 +52,12 @@ struct Reduction {
 // ArgumentTypeError naming the op, the reduce op, the dtype and what is
 // accepted instead. Made once per (op, dtype) and kept for the process, with no
 // lock on the way to one already made, except PREMUL_SUM, whose factor differs
-// per call.
+// per call, and float16's AVG, whose factor is 1 / group_size.
 std::shared_ptr<const Reduction> resolve_reduction(
     const char* op_name,
     const c10d::ReduceOp& op,
-    at::ScalarType dtype);
+    at::ScalarType dtype,
+    int group_size);
 
 std::string dtype_name(at::ScalarType t);
 const char* reduce_op_name(c10d::ReduceOp::RedOpType op);

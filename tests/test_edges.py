@@ -147,3 +147,50 @@ def test_a_step_one_rank_reads_directly_goes_single_copy_for_all():
                                                        "ONECCL_BIND_PT_SHM_SINGLE_COPY_BYTES": "1G"}}, timeout=300)
     assert [paths for paths, _ in ranks] == [("cma", "cma"), ("shm", "shm")], ranks
     assert [wrong for _, wrong in ranks] == [[], []], ranks
+
+
+# ReduceOp.AVG of float16 values whose sum passes float16's largest (65504): the average is
+# finite, as NCCL's (which scales each input by 1/n before summing) is; gloo has no AVG to
+# compare with, so it is checked against the mean worked out in float64. Inputs an op only
+# reads stay as they were.
+def _fp16_avg(rank, world, n):
+    from harness import expect_transport
+
+    expect_transport()
+    g = torch.Generator().manual_seed(7)
+    base = torch.rand(world * n, generator=g, dtype=torch.float64)
+    mine = (30000 + 30000 * base.roll(rank)).half()  # 30000-60000: two ranks' sum overflows float16
+    every = [(30000 + 30000 * base.roll(r)).half().double() for r in range(world)]
+    mean = (sum(every) / world).half()
+
+    def close(got, want):
+        return bool(torch.isfinite(got).all()) and torch.allclose(got.double(), want.double(), rtol=3e-3)
+
+    wrong = []
+    t = mine.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    wrong += [] if close(t, mean) else ["all_reduce"]
+    parts = [mine[:n].clone(), mine[n:].clone()]
+    dist.all_reduce_coalesced(parts, op=dist.ReduceOp.AVG)
+    wrong += [] if close(torch.cat(parts), mean) else ["all_reduce_coalesced"]
+    t = mine.clone()
+    dist.reduce(t, dst=world - 1, op=dist.ReduceOp.AVG)
+    wrong += [] if (close(t, mean) if rank == world - 1 else torch.equal(t, mine)) else ["reduce"]
+    share = torch.empty(n, dtype=torch.float16)
+    src = mine.clone()
+    reduce_scatter_single(share, src, op=dist.ReduceOp.AVG)
+    wrong += [] if close(share, mean[rank * n:(rank + 1) * n]) and torch.equal(src, mine) else ["reduce_scatter_single"]
+    listed = list(mine.clone().chunk(world))
+    dist.reduce_scatter(share, listed, op=dist.ReduceOp.AVG)
+    wrong += [] if close(share, mean[rank * n:(rank + 1) * n]) and torch.equal(torch.cat(listed), mine) \
+        else ["reduce_scatter"]
+    return wrong
+
+
+@pytest.mark.parametrize("transport", ["shm", "oneccl"])
+@pytest.mark.parametrize("n", [1000, (3 << 20) // 2 + 7], ids=["1000", "3MiB+14"])
+def test_float16_average_does_not_overflow(transport, n):
+    from harness import TRANSPORTS
+
+    for world in (2, 3):
+        assert run_ranks(_fp16_avg, world, n, env=TRANSPORTS[transport], timeout=300) == [[]] * world, world

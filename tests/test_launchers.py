@@ -109,6 +109,15 @@ def test_mpirun_torch_ccl_style_script():
     checksums(out, 3, mpi_style_reference(3))
 
 
+# torch-ccl's recipes exported CCL_ATL_TRANSPORT=mpi (oneCCL over Intel MPI) on every rank; that
+# still trains, through shared memory and, with it off, through oneCCL's MPI transport.
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shm", "oneccl"])
+def test_mpirun_with_oneccls_mpi_transport(shm):
+    out = run([BIN / "mpirun", "-n", "3", sys.executable, "tests/scripts/mpi_style.py"],
+              env={"MASTER_PORT": str(free_port()), "CCL_ATL_TRANSPORT": "mpi", "ONECCL_BIND_PT_SHM": shm})
+    checksums(out, 3, mpi_style_reference(3))
+
+
 @pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
 def test_profiler_rows(launcher):
     if launcher == "mpirun":

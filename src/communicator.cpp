@@ -345,6 +345,15 @@ Created create_communicator(
     } catch (const std::exception& e) {
       g_creation_failed.store(true);
       error = e.what();
+      if (error.find("unexpected comm_id") != std::string::npos) {
+        // oneCCL's own words name neither the cause nor the way out. (Groups freed after this
+        // are left behind, as after any failed creation, so the ids stay taken: measured, freeing
+        // them instead crashed the process.)
+        error += " (oneCCL ran out of communicator ids: it holds at most 128 communicators at once in a "
+                 "process, one per ccl process group the process is a member of (oneCCL 2022.1.2, measured); "
+                 "destroy groups no longer used, torch.distributed.destroy_process_group(group), before making "
+                 "others. This process gives no ids back from now on: restart it)";
+      }
       if (!kvs) {
         error = "it could not reach rank 0's oneCCL key-value store: " + error +
             " (CCL_KVS_IFACE / CCL_KVS_IP_EXCHANGE choose its network interface)";

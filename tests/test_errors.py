@@ -550,3 +550,33 @@ def _dense_layouts(rank, world):
 
 def test_dense_non_contiguous_all_reduce():
     assert all(run_ranks(_dense_layouts, 2))
+
+
+def _groups_until_oneccl_refuses(rank, world):
+    """Groups kept alive until oneCCL has no communicator id left for another."""
+    groups, said = [], None
+    for _ in range(200):
+        try:
+            g = dist.new_group(list(range(world)))
+        except dist.DistBackendError as e:
+            said = str(e).splitlines()[0]
+            break
+        x = torch.ones(2)
+        dist.all_reduce(x, group=g)
+        groups.append(g)
+    x = torch.full((3,), float(rank + 1))
+    dist.all_reduce(x)  # the groups made before still work
+    return len(groups), said, x.tolist()
+
+
+# oneCCL holds a limited number of communicators in a process and says only "unexpected comm_id"
+# when it has none left: the error names the limit and what to do, on every rank, and the groups
+# made before stay usable.
+@pytest.mark.parametrize("transport", ["shm", "oneccl"])
+def test_running_out_of_oneccl_communicators_says_why(transport):
+    ranks = run_ranks(_groups_until_oneccl_refuses, 2, env=TRANSPORTS[transport], timeout=300)
+    for made, said, x in ranks:
+        assert made == 127, made  # with the default group: 128
+        assert said is not None and "oneCCL ran out of communicator ids: it holds at most 128 communicators" in said \
+            and "destroy_process_group(group)" in said, said
+        assert x == [3.0] * 3, x

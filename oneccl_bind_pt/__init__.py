@@ -81,18 +81,27 @@ launcher = _map_launcher_env()
 _defaults_applied = False
 
 
-def _create_backend(store, rank, size, timeout):
+def _before_group(store, rank, size, timeout):
+    """Called by every ProcessGroupCCL construction, init_process_group's and one built
+    directly (torch-ccl's usage): oneCCL's defaults, before the process's first group."""
     global _defaults_applied
-    if not _defaults_applied:
-        try:
-            _apply_ccl_defaults(store, rank, size, timeout=timeout)
-        except Exception as e:  # a bad ONECCL_BIND_PT_WORKERS: fail the other ranks at once too
-            _C._announce_failure(store, rank, getattr(e, "announce", None) or str(e))
-            raise
-        _defaults_applied = True
-        # DeepSpeed imports us from inside its own comm module, before that module
-        # has defined what the fix patches; by now it has.
-        _integrations.install()
+    if _defaults_applied:
+        return
+    try:
+        _apply_ccl_defaults(store, rank, size, timeout=timeout)
+    except Exception as e:  # a bad ONECCL_BIND_PT_WORKERS: fail the other ranks at once too
+        _C._announce_failure(store, rank, getattr(e, "announce", None) or str(e))
+        raise
+    _defaults_applied = True
+    # DeepSpeed imports us from inside its own comm module, before that module
+    # has defined what the fix patches; by now it has.
+    _integrations.install()
+
+
+_C._set_before_group(_before_group)
+
+
+def _create_backend(store, rank, size, timeout):
     return ProcessGroupCCL(store, rank, size, timeout)
 
 

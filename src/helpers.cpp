@@ -583,6 +583,12 @@ int idle_now(int most) {
 
 } // namespace
 
+void check_helper_settings() {
+  asked_count("ONECCL_BIND_PT_HELPERS", false);
+  asked_count("ONECCL_BIND_PT_IDLE_HELPERS", true);
+  asked_count("ONECCL_BIND_PT_IDLE_CPUS", false, 1, kMaxIdleCpus);
+}
+
 int idle_share(int allowed, int running, int awake, int local, int most) {
   local = std::max(1, local);
   const long free = static_cast<long>(allowed) - running + static_cast<long>(awake) * local;

@@ -54,6 +54,9 @@ int local_ranks();
 // Chosen once per process; throws c10::ValueError for an ONECCL_BIND_PT_HELPERS
 // that is not a whole number from 0 to kMaxHelpersAsked.
 const HelperPlan& helper_plan();
+// The same refusals as helper_plan()'s, choosing nothing: before the package's defaults
+// (CCL_LOCAL_SIZE, CCL_WORKER_COUNT) that the plan depends on are set.
+void check_helper_settings();
 
 // Whether a split may run on helpers at all (always-used or idle ones): below, a copy or
 // reduction runs on the calling thread without asking.

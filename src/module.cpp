@@ -21,6 +21,11 @@ namespace {
 // being written: torch 2.15's FlightRecorderHook took up to 9 s here).
 constexpr std::chrono::milliseconds kExitHookWait{15000};
 
+// The package's function that sets its oneCCL defaults before the process's first group
+// (oneccl_bind_pt/__init__.py), set once at import; every construction calls it, so that a
+// group built directly, as torch-ccl's users did, gets what init_process_group's does.
+PyObject* g_before_group = nullptr;
+
 // oneccl_bind_pt.errors' classes, set once by the package's __init__.
 PyObject* g_argument_error = nullptr;
 PyObject* g_argument_type_error = nullptr;
@@ -79,13 +84,20 @@ PYBIND11_MODULE(_C, m) {
                       int rank,
                       int size,
                       std::chrono::milliseconds timeout) {
+            {
+              py::gil_scoped_release released;
+              oneccl_bind_pt::ProcessGroupCCL::check_own_settings(store, rank);
+            }
+            if (g_before_group) {
+              py::reinterpret_borrow<py::object>(g_before_group)(store, rank, size, timeout);
+            }
+            py::gil_scoped_release released;
             return c10::make_intrusive<oneccl_bind_pt::ProcessGroupCCL>(store, rank, size, timeout);
           }),
           py::arg("store"),
           py::arg("rank"),
           py::arg("size"),
-          py::arg("timeout") = std::chrono::milliseconds(kBackendDefaultTimeout),
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("timeout") = std::chrono::milliseconds(kBackendDefaultTimeout))
       .def(
           "_path",
           &oneccl_bind_pt::ProcessGroupCCL::path,
@@ -104,6 +116,12 @@ PYBIND11_MODULE(_C, m) {
           "How much a staged step of a large collective moves per rank on this group, and why "
           "(the smallest of its ranks' choices).");
 
+  m.def(
+      "_set_before_group",
+      [](py::object fn) { g_before_group = fn.release().ptr(); }, // kept for the process's life
+      py::arg("fn"),
+      "Sets what every ProcessGroupCCL construction calls first, fn(store, rank, size, timeout) "
+      "(the package's oneCCL defaults, once per process).");
   m.def(
       "_shutdown",
       [] {

@@ -23,6 +23,20 @@ namespace oneccl_bind_pt {
 
 namespace {
 
+// Runs `check`; what it throws is announced to the group's other ranks, then rethrown.
+template <class Fn>
+void told_if_throws(const c10::intrusive_ptr<c10d::Store>& store, int rank, Fn check) {
+  try {
+    check();
+  } catch (const c10::Error& e) {
+    announce_failure(store, rank, e.what_without_backtrace());
+    throw;
+  } catch (const std::exception& e) {
+    announce_failure(store, rank, e.what());
+    throw;
+  }
+}
+
 std::shared_ptr<Communicator> checked_communicator(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
@@ -32,18 +46,12 @@ std::shared_ptr<Communicator> checked_communicator(
   // ONECCL_BIND_PT_SHM_CHUNK_BYTES or oneCCL failing to initialize raises here, before the
   // rendezvous, not later inside a collective. The other ranks are told, so that a mistake
   // on one rank fails them all at once rather than after the group's timeout.
-  try {
+  told_if_throws(store, rank, [] {
     kernels();
     helper_plan();
     ShmLimits::from_env();
     ensure_ccl_initialized();
-  } catch (const c10::Error& e) {
-    announce_failure(store, rank, e.what_without_backtrace());
-    throw;
-  } catch (const std::exception& e) {
-    announce_failure(store, rank, e.what());
-    throw;
-  }
+  });
   return std::make_shared<Communicator>(store, rank, size, timeout);
 }
 
@@ -60,6 +68,20 @@ ProcessGroupCCL::ProcessGroupCCL(
       timeout_(timeout) {}
 
 ProcessGroupCCL::~ProcessGroupCCL() = default;
+
+void ProcessGroupCCL::check_own_settings(const c10::intrusive_ptr<c10d::Store>& store, int rank) {
+  // What can be refused before the package's defaults are set: nothing here reads them.
+  // (The creation's keys are taken only to tell of a failure: the constructor takes them.)
+  try {
+    kernels();
+    check_helper_settings();
+    ShmLimits::from_env();
+  } catch (const std::exception& e) {
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
+    announce_failure(creation_keys(store, rank), rank, error ? error->what_without_backtrace() : e.what());
+    throw;
+  }
+}
 
 void ProcessGroupCCL::abort() {
   if (comm_->inherited()) {

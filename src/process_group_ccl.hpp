@@ -28,6 +28,10 @@ class ProcessGroupCCL : public c10d::Backend {
       int size,
       std::chrono::milliseconds timeout);
   ~ProcessGroupCCL() override;
+  // Refuses a bad setting of this rank's own (ONECCL_BIND_PT_KERNELS, _HELPERS, _SHM_CHUNK_BYTES,
+  // ...) and tells the other ranks creating the group on `store`: before the package's
+  // defaults, whose exchanges with those ranks would otherwise wait for this one.
+  static void check_own_settings(const c10::intrusive_ptr<c10d::Store>& store, int rank);
 
   const std::string getBackendName() const override { return "ccl"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;

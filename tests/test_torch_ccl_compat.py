@@ -75,3 +75,27 @@ def test_errors_carry_torch_ccl_wording_and_gloo_types():
             # torch-ccl's phrase, ours (the op and what was expected), and a type gloo's error is too.
             assert phrase in ccl[1] and "ccl " in ccl[1], ccl
             assert issubclass(ccl[0], gloo[0]), (case, ccl, gloo)
+
+
+def _direct_first(rank, world):
+    """A ccl group built directly as the process's first (the default group is gloo's)."""
+    import os
+
+    import oneccl_bind_pt
+
+    store = dist.PrefixStore("direct-first", dist.distributed_c10d._get_default_store())
+    pg = oneccl_bind_pt.ProcessGroupCCL(store, rank, world)
+    x = torch.arange(4, dtype=torch.float32) + rank
+    pg.allreduce([x]).wait()
+    path = pg._path("allreduce", 16)
+    return {k: os.environ.get(k) for k in ("CCL_LOCAL_RANK", "CCL_LOCAL_SIZE", "CCL_ATL_TRANSPORT")}, \
+        x.tolist(), path
+
+
+# torch-ccl's users built groups directly, with no init_process_group("ccl") before: such a group
+# gets the package's oneCCL defaults too (the ranks on this host, libfabric, ...), as its first.
+def test_a_group_made_directly_first_gets_the_package_defaults():
+    for rank, (env, x, path) in enumerate(run_ranks(_direct_first, 2, backend="gloo")):
+        assert env == {"CCL_LOCAL_RANK": str(rank), "CCL_LOCAL_SIZE": "2", "CCL_ATL_TRANSPORT": "ofi"}, env
+        assert x == [1.0, 3.0, 5.0, 7.0], x
+        assert path == "shm", path

@@ -176,6 +176,13 @@ constexpr const char* kKvsHint =
     ": rank 0 may have died, or listen on an interface this host does not reach (CCL_KVS_IFACE on rank 0's "
     "host chooses it)";
 
+// What a rank adds to oneCCL's "unexpected comm_id".
+constexpr const char* kOutOfIds =
+    " (oneCCL ran out of communicator ids: a process holds at most 128 oneCCL communicators at once (oneCCL "
+    "2022.1.2, measured), one for each ccl process group it is a member of and each left behind by a failure; "
+    "destroy groups no longer used, torch.distributed.destroy_process_group(group), before making others. After "
+    "this failure the process's destroyed groups keep their ids: restart it to make more)";
+
 // Set once a oneCCL communicator (or its key-value store) failed to be created in this process,
 // or a creation or a teardown was left behind.
 // Measured: after a creation that failed in libfabric's first send, freeing an earlier group's
@@ -343,16 +350,15 @@ Created create_communicator(
       }
       comm.emplace(ccl::create_communicator(size, rank, kvs));
     } catch (const std::exception& e) {
-      g_creation_failed.store(true);
+      const bool failed_before = g_creation_failed.exchange(true);
       error = e.what();
       if (error.find("unexpected comm_id") != std::string::npos) {
-        // oneCCL's own words name neither the cause nor the way out. (Groups freed after this
-        // are left behind, as after any failed creation, so the ids stay taken: measured, freeing
-        // them instead crashed the process.)
-        error += " (oneCCL ran out of communicator ids: it holds at most 128 communicators at once in a "
-                 "process, one per ccl process group the process is a member of (oneCCL 2022.1.2, measured); "
-                 "destroy groups no longer used, torch.distributed.destroy_process_group(group), before making "
-                 "others. This process gives no ids back from now on: restart it)";
+        // oneCCL's own words name neither the cause nor the way out. (Groups freed after a
+        // failed creation are left behind, so their ids stay taken: measured, freeing them
+        // instead crashed the process.)
+        error += std::string(kOutOfIds) +
+            (failed_before ? " (this process had a failed creation before: the groups it destroyed since kept theirs)"
+                           : "");
       }
       if (!kvs) {
         error = "it could not reach rank 0's oneCCL key-value store: " + error +
@@ -458,7 +464,11 @@ Created create_communicator(
     // A peer that failed first is the cause: its leaving can make this rank's creation fail too.
     if (const std::string failed = announced_failure(store); !failed.empty()) {
       leave_behind(std::nullopt, c->kvs);
-      C10_THROW_ERROR(DistBackendError, who + " failed (" + c->error + "): " + failed + gives_up);
+      std::string own = c->error;
+      if (const auto at = own.find(kOutOfIds); at != std::string::npos && failed.find(kOutOfIds) != std::string::npos) {
+        own.erase(at); // said once, in the other rank's words below
+      }
+      C10_THROW_ERROR(DistBackendError, who + " failed (" + own + "): " + failed + gives_up);
     }
     std::string why = c->error;
     if (rank != 0) {

@@ -84,15 +84,19 @@ PYBIND11_MODULE(_C, m) {
                       int rank,
                       int size,
                       std::chrono::milliseconds timeout) {
+            // This creation's keys, taken once: the defaults' exchanges and the group's own
+            // use the same ones (a retry on the same store gets fresh keys for both).
+            c10::intrusive_ptr<c10d::Store> keys;
             {
               py::gil_scoped_release released;
-              oneccl_bind_pt::ProcessGroupCCL::check_own_settings(store, rank);
+              keys = oneccl_bind_pt::creation_keys(store, rank);
+              oneccl_bind_pt::ProcessGroupCCL::check_own_settings(keys, rank, size);
             }
             if (g_before_group) {
-              py::reinterpret_borrow<py::object>(g_before_group)(store, rank, size, timeout);
+              py::reinterpret_borrow<py::object>(g_before_group)(keys, rank, size, timeout);
             }
             py::gil_scoped_release released;
-            return c10::make_intrusive<oneccl_bind_pt::ProcessGroupCCL>(store, rank, size, timeout);
+            return c10::make_intrusive<oneccl_bind_pt::ProcessGroupCCL>(keys, rank, size, timeout, /*numbered=*/true);
           }),
           py::arg("store"),
           py::arg("rank"),
@@ -145,22 +149,16 @@ PYBIND11_MODULE(_C, m) {
       "segments of this process (at a multiprocessing child's exit).");
   m.def(
       "_announce_failure",
-      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::string& why) {
-        // This creation's keys: the failing rank takes its number like the others.
-        c10::intrusive_ptr<c10d::Store> keys;
-        try {
-          keys = oneccl_bind_pt::creation_keys(store, rank);
-        } catch (...) {
-          return; // a store that cannot answer cannot carry the news either
-        }
-        oneccl_bind_pt::announce_failure(keys, rank, why);
+      [](const c10::intrusive_ptr<c10d::Store>& keys, int rank, const std::string& why) {
+        oneccl_bind_pt::announce_failure(keys, rank, why); // (it swallows a store's own failure)
       },
-      py::arg("store"),
+      py::arg("keys"),
       py::arg("rank"),
       py::arg("why"),
       py::call_guard<py::gil_scoped_release>(),
-      "Tells the other ranks creating a group on `store` that this rank cannot, and why: they "
-      "raise at once instead of waiting out the group's timeout.");
+      "Tells the other ranks creating a group that this rank cannot, and why, through `keys`, the "
+      "creation's keys ProcessGroupCCL's construction hands the package's defaults: they raise at "
+      "once instead of waiting out the group's timeout.");
   m.def(
       "_time_raw_oneccl",
       &oneccl_bind_pt::time_raw_oneccl,

@@ -61,26 +61,25 @@ ProcessGroupCCL::ProcessGroupCCL(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
-    std::chrono::milliseconds timeout)
+    std::chrono::milliseconds timeout,
+    bool numbered)
     : c10d::Backend(rank, size),
-      store_(creation_keys(store, rank)),
+      store_(numbered ? store : creation_keys(store, rank)),
       comm_(checked_communicator(store_, rank, size, timeout)),
       timeout_(timeout) {}
 
 ProcessGroupCCL::~ProcessGroupCCL() = default;
 
-void ProcessGroupCCL::check_own_settings(const c10::intrusive_ptr<c10d::Store>& store, int rank) {
-  // What can be refused before the package's defaults are set: nothing here reads them.
-  // (The creation's keys are taken only to tell of a failure: the constructor takes them.)
-  try {
+void ProcessGroupCCL::check_own_settings(const c10::intrusive_ptr<c10d::Store>& keys, int rank, int size) {
+  CCL_CHECK_ARG(size > 0 && rank >= 0 && rank < size, "ccl: invalid rank ", rank, " for a process group of size ",
+                size);
+  // What can be refused before the package's defaults are set: nothing here reads them, nor
+  // chooses what depends on them (the helper count, from CCL_LOCAL_SIZE and CCL_WORKER_COUNT).
+  told_if_throws(keys, rank, [] {
     kernels();
     check_helper_settings();
-    ShmLimits::from_env();
-  } catch (const std::exception& e) {
-    const auto* error = dynamic_cast<const c10::Error*>(&e);
-    announce_failure(creation_keys(store, rank), rank, error ? error->what_without_backtrace() : e.what());
-    throw;
-  }
+    ShmLimits::asked_chunk_bytes();
+  });
 }
 
 void ProcessGroupCCL::abort() {

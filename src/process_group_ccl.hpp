@@ -22,16 +22,20 @@ namespace oneccl_bind_pt {
 
 class ProcessGroupCCL : public c10d::Backend {
  public:
+  // `numbered`: `store` is already this creation's keys (creation_keys), as Python's
+  // construction takes them once for the package's defaults and the group alike.
   ProcessGroupCCL(
       const c10::intrusive_ptr<c10d::Store>& store,
       int rank,
       int size,
-      std::chrono::milliseconds timeout);
+      std::chrono::milliseconds timeout,
+      bool numbered = false);
   ~ProcessGroupCCL() override;
-  // Refuses a bad setting of this rank's own (ONECCL_BIND_PT_KERNELS, _HELPERS, _SHM_CHUNK_BYTES,
-  // ...) and tells the other ranks creating the group on `store`: before the package's
-  // defaults, whose exchanges with those ranks would otherwise wait for this one.
-  static void check_own_settings(const c10::intrusive_ptr<c10d::Store>& store, int rank);
+  // Refuses a bad rank or size, or a bad setting of this rank's own (ONECCL_BIND_PT_KERNELS,
+  // _HELPERS, _SHM_CHUNK_BYTES, ...), and tells the other ranks creating the group on `keys`
+  // (this creation's): before the package's defaults, whose exchanges with those ranks would
+  // otherwise wait for this one.
+  static void check_own_settings(const c10::intrusive_ptr<c10d::Store>& keys, int rank, int size);
 
   const std::string getBackendName() const override { return "ccl"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;

@@ -151,6 +151,19 @@ bool single_copy_enabled() {
   return env_on("ONECCL_BIND_PT_SHM_SINGLE_COPY");
 }
 
+size_t ShmLimits::asked_chunk_bytes() {
+  const char* chunk = std::getenv("ONECCL_BIND_PT_SHM_CHUNK_BYTES");
+  if (!chunk || !*chunk) {
+    return 0;
+  }
+  // Strict, unlike the crossovers: ranks given different chunks still agree (the smallest),
+  // but a value that was meant and not understood should not pass as a default.
+  const double b = parse_bytes(chunk);
+  TORCH_CHECK_VALUE(b >= kMinStagingChunk && b <= kStagingBufferBytes, "ONECCL_BIND_PT_SHM_CHUNK_BYTES=", chunk,
+                    " is not a size from 64K to 2M (e.g. 262144, 256K, 1M)");
+  return static_cast<size_t>(b);
+}
+
 ShmLimits ShmLimits::from_env() {
   // Measured crossovers (docs/performance.md). Against oneCCL only all-to-all has
   // one, and only against oneCCL's own shared-memory provider (CCL_ATL_SHM=1, which
@@ -173,14 +186,9 @@ ShmLimits ShmLimits::from_env() {
   l.single_copy = helped ? kHelpedFrom : wide ? kWideFrom : kNarrowFrom;
   l.single_copy_to = helped ? kHelpedTo : wide ? kWideTo : kNarrowTo;
   const RankCores cores = rank_cores(local_ranks());
-  const char* chunk = std::getenv("ONECCL_BIND_PT_SHM_CHUNK_BYTES");
-  if (chunk && *chunk) {
-    // Strict, unlike the crossovers: ranks given different chunks still agree (the smallest),
-    // but a value that was meant and not understood should not pass as a default.
-    const double b = parse_bytes(chunk);
-    TORCH_CHECK_VALUE(b >= kMinStagingChunk && b <= kStagingBufferBytes, "ONECCL_BIND_PT_SHM_CHUNK_BYTES=", chunk,
-                      " is not a size from 64K to 2M (e.g. 262144, 256K, 1M)");
-    l.chunk_bytes = static_cast<size_t>(b);
+  const size_t chunk = asked_chunk_bytes();
+  if (chunk > 0) {
+    l.chunk_bytes = chunk;
     l.chunk_why = "ONECCL_BIND_PT_SHM_CHUNK_BYTES";
   } else {
     l.chunk_bytes = default_chunk(cores.crowded, l.chunk_why);
@@ -193,7 +201,7 @@ ShmLimits ShmLimits::from_env() {
   // keep the cache's size.
   l.window_bytes = l.chunk_bytes;
   l.window_why = "the staging chunk";
-  if (cores.crowded && !(chunk && *chunk)) {
+  if (cores.crowded && chunk == 0) {
     l.window_bytes = kStagingBufferBytes;
     l.window_why = "the whole buffer: " + cores.why + ", more ranks than CPUs";
   }

@@ -64,6 +64,9 @@ struct ShmLimits {
   // value for every kind each) and ONECCL_BIND_PT_SHM_CHUNK_BYTES, or the measured
   // defaults.
   static ShmLimits from_env();
+  // The staging chunk asked for (ONECCL_BIND_PT_SHM_CHUNK_BYTES), 0 where unset; throws
+  // c10::ValueError for a value that is not a size from 64K to 2M. Chooses nothing else.
+  static size_t asked_chunk_bytes();
 };
 
 // Whether the shared-memory transport is on (ONECCL_BIND_PT_SHM, default 1).

@@ -89,13 +89,15 @@ def _direct_first(rank, world):
     pg.allreduce([x]).wait()
     path = pg._path("allreduce", 16)
     return {k: os.environ.get(k) for k in ("CCL_LOCAL_RANK", "CCL_LOCAL_SIZE", "CCL_ATL_TRANSPORT")}, \
-        x.tolist(), path
+        x.tolist(), path, oneccl_bind_pt._C.helpers()
 
 
 # torch-ccl's users built groups directly, with no init_process_group("ccl") before: such a group
 # gets the package's oneCCL defaults too (the ranks on this host, libfabric, ...), as its first.
 def test_a_group_made_directly_first_gets_the_package_defaults():
-    for rank, (env, x, path) in enumerate(run_ranks(_direct_first, 2, backend="gloo")):
+    for rank, (env, x, path, helpers) in enumerate(run_ranks(_direct_first, 2, backend="gloo",
+                                                             env={"ONECCL_BIND_PT_HELPERS": ""})):
+        assert "/ 2 ranks on this host" in helpers, helpers  # the count knows the host's other rank
         assert env == {"CCL_LOCAL_RANK": str(rank), "CCL_LOCAL_SIZE": "2", "CCL_ATL_TRANSPORT": "ofi"}, env
         assert x == [1.0, 3.0, 5.0, 7.0], x
         assert path == "shm", path

@@ -7,6 +7,7 @@ registers the ``ccl`` backend: ``torch.distributed.init_process_group("ccl")``.
 import atexit
 import multiprocessing.util as _mp_util
 import os
+import threading
 
 from ._version import RELEASES as _RELEASES
 from ._version import TORCH_VERSION as _TORCH_VERSION
@@ -72,6 +73,7 @@ except ImportError as e:
         "installed package is imported; otherwise reinstall: pip install --no-build-isolation ."
     ) from e
 from ._env import apply_ccl_defaults as _apply_ccl_defaults  # noqa: E402
+from ._env import post_answers as _post_answers  # noqa: E402
 from .errors import ArgumentError, ArgumentTypeError  # noqa: E402
 from ._launchers import map_launcher_env as _map_launcher_env  # noqa: E402
 
@@ -79,20 +81,24 @@ _C._register_error_types(ArgumentError, ArgumentTypeError)
 ProcessGroupCCL = _C.ProcessGroupCCL
 launcher = _map_launcher_env()
 _defaults_applied = False
+_defaults_lock = threading.Lock()
 
 
 def _before_group(store, rank, size, timeout):
     """Called by every ProcessGroupCCL construction, init_process_group's and one built
-    directly (torch-ccl's usage): oneCCL's defaults, before the process's first group."""
+    directly (torch-ccl's usage), with this creation's keys: oneCCL's defaults, before the
+    process's first group."""
     global _defaults_applied
-    if _defaults_applied:
-        return
-    try:
-        _apply_ccl_defaults(store, rank, size, timeout=timeout)
-    except Exception as e:  # a bad ONECCL_BIND_PT_WORKERS: fail the other ranks at once too
-        _C._announce_failure(store, rank, getattr(e, "announce", None) or str(e))
-        raise
-    _defaults_applied = True
+    with _defaults_lock:  # two threads making groups: one sets them, the other finds them set
+        if _defaults_applied:
+            _post_answers(store, rank)  # for ranks of this group whose first ccl group it is
+            return
+        try:
+            _apply_ccl_defaults(store, rank, size, timeout=timeout)
+        except Exception as e:  # a bad ONECCL_BIND_PT_WORKERS: fail the other ranks at once too
+            _C._announce_failure(store, rank, getattr(e, "announce", None) or str(e))
+            raise
+        _defaults_applied = True
     # DeepSpeed imports us from inside its own comm module, before that module
     # has defined what the fix patches; by now it has.
     _integrations.install()

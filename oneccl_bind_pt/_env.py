@@ -162,30 +162,57 @@ def _rendezvous_error(text: str, announce: str | None = None):
     return error
 
 
+# The longest pause between two looks at the store while the first group's ranks come.
+_LOOK_EVERY_S = 0.05
+
+# This process's answers in its first group's exchanges (name -> value), and what it would have
+# answered in the ones that group did not hold: a later group may be another rank's first, and
+# that rank waits for every rank's answers (post_answers).
+_answers: dict[str, str] = {}
+
+
+def post_answers(store, rank: int) -> None:
+    """For a group this process makes after its first: its answers in the defaults' exchanges,
+    for the ranks whose first ccl group it is (a gloo default group, then ccl groups that differ
+    between ranks). Only those ranks wait for them; this one goes on at once."""
+    if not _answers:
+        return
+    keys = [f"oneccl/defaults/{name}/{rank}" for name in _answers]
+    values = list(_answers.values())
+    if hasattr(store, "multi_set"):
+        store.multi_set(keys, values)
+    else:
+        for key, value in zip(keys, values):
+            store.set(key, value)
+
+
 def _exchange(store, rank: int, size: int, name: str, mine: str, timeout: timedelta) -> list[str]:
     """Every rank's `mine`, by rank, through the store. Waits at most `timeout` (the group's), and
     less when a rank announces that it cannot create the group. For the first group only."""
     keys = [f"oneccl/defaults/{name}/{r}" for r in range(size)]
     store.set(keys[rank], mine)
+    _answers[name] = mine
     deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.001
     while True:
-        left = deadline - time.monotonic()
-        try:
-            # In slices: a rank that failed before it came here is seen within one.
-            store.wait(keys, timedelta(seconds=max(0.001, min(left, 0.5))))
+        # Looked at, not waited for: a rank that failed before it came here is seen at the next
+        # look, and a wait that runs out has torch's store client log two warnings each time
+        # (ranks a torchrun starts come seconds apart under load).
+        if store.check(keys):
             return [value.decode() for value in store.multi_get(keys)]
-        except RuntimeError:  # the slice ran out (DistStoreError)
-            pass
         if store.check([_FAILED_KEY]):
             raise _rendezvous_error(
                 f"{store.get(_FAILED_KEY).decode()} (rank {rank} gives up on this process group with it)")
-        if left <= 0.5:
+        left = deadline - time.monotonic()
+        if left <= 0:
             missing = ", ".join(str(r) for r, key in enumerate(keys) if not store.check([key])) or "none"
             seconds = f"{timeout.total_seconds():.1f}"
             raise _rendezvous_error(
                 f"rank {rank} waited {seconds} s for the other ranks of this process group (size {size}); missing "
                 f"ranks: {missing}. Every rank must create the group (init_process_group / new_group) and none may "
                 "have exited.", announce=f"it waited {seconds} s for the other ranks; missing ranks: {missing}")
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, _LOOK_EVERY_S)
 
 
 def host_identity() -> str:
@@ -286,20 +313,20 @@ def _interface_across_hosts(store, rank: int, size: int, env: MutableMapping[str
     route = _route_towards(host) if host else None
     keys = [f"oneccl/defaults/route/{r}" for r in range(size)]
     store.set(keys[rank], route[0] if route else "")
+    _answers["route"] = route[0] if route else ""
     if route is None or not _loopback(route[0]):
         return route[1] if route else None
     others: list[str] = []
     deadline = time.monotonic() + min(timeout.total_seconds(), _PEER_ROUTE_WAIT_S)
+    pause = 0.001
     while True:
         present = [key for key in keys if store.check([key])]
         others = [a for a in (store.get(key).decode() for key in present) if a and not _loopback(a)]
         left = deadline - time.monotonic()
         if others or len(present) == size or left <= 0:
             break
-        try:
-            store.wait([key for key in keys if key not in present], timedelta(seconds=max(0.001, min(left, 0.2))))
-        except RuntimeError:  # the slice ran out (DistStoreError)
-            pass
+        time.sleep(min(pause, left))  # looked at, not waited for (see _exchange)
+        pause = min(2 * pause, _LOOK_EVERY_S)
     for destination in others + ["192.0.2.1"]:  # a documentation address: the default route
         peer = _route_towards(destination)
         if peer and not _loopback(peer[0]) and peer[1]:
@@ -474,6 +501,11 @@ def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str
         if interface:
             _set_default(env, "CCL_KVS_IFACE", interface)
             _set_default(env, "FI_TCP_IFACE", interface)
+    # What this rank would answer in the exchanges its first group did not hold (see _answers).
+    shm_flag = "1" if env.get("ONECCL_BIND_PT_SHM", "1").lower() not in ("0", "off", "false") else "0"
+    _answers.setdefault("host", f"{shm_flag} {host_identity()}")
+    _answers.setdefault("shm", shm_flag)
+    _answers["workers"] = env.get("CCL_WORKER_COUNT", "0")  # the count it runs with: after the group's agreement
     _set_default(env, "CCL_PMI_FORCE_FINALIZE", "1")
     _set_default(env, "CCL_LOG_LEVEL", "error")
     _set_default(env, "TORCH_INCLUDE_STACK_TRACE", "0")

@@ -75,6 +75,18 @@ def test_torchrun_init_destroy_and_init_again():
         assert float(took) < 30, out  # the group timeout is 60 s
 
 
+# Ranks that torchrun starts may come to the first group seconds apart (imports under load). The
+# ranks there wait for each other without torch's store client logging a warning every half second
+# (it logs two for each wait on the store that runs out; gloo's meeting logs none).
+def test_a_late_rank_under_torchrun_brings_no_store_warnings(tmp_path):
+    out = run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
+               "tests/scripts/late_rank.py", str(tmp_path / "rank0_in_init")])
+    took = dict(re.findall(r"rank (\d) init took ([\d.]+) s sum 2", out))
+    assert sorted(took) == ["0", "1"], out
+    assert float(took["0"]) >= 1.4, out  # rank 0 did wait for the late one
+    assert "socket.cpp" not in out and "waitForInput" not in out, out
+
+
 def test_mpirun_ddp_example():
     out = run([BIN / "mpirun", "-n", "2", sys.executable, "examples/ddp.py"], env={"MASTER_PORT": str(free_port())})
     checksums(out, 2, ddp_reference(2))

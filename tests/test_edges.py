@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import all_gather_single, reduce_scatter_single, run_ranks
+from harness import TRANSPORTS, all_gather_single, reduce_scatter_single, run_ranks
 
 
 def _tiny(rank, world):
@@ -190,7 +190,56 @@ def _fp16_avg(rank, world, n):
 @pytest.mark.parametrize("transport", ["shm", "oneccl"])
 @pytest.mark.parametrize("n", [1000, (3 << 20) // 2 + 7], ids=["1000", "3MiB+14"])
 def test_float16_average_does_not_overflow(transport, n):
-    from harness import TRANSPORTS
-
     for world in (2, 3):
         assert run_ranks(_fp16_avg, world, n, env=TRANSPORTS[transport], timeout=300) == [[]] * world, world
+
+
+# Groups of one rank (new_group([r]), new_subgroups(group_size=1): what tensor or expert
+# parallelism of size 1 makes): every collective, on ccl's and on gloo's, same inputs. (A group of
+# one has no peer to share memory with: its collectives go through oneCCL, whatever the setting.)
+def _groups_of_one(rank, world):
+    results = {}
+    for backend in ("ccl", "gloo"):
+        mine = [dist.new_group([r], backend=backend) for r in range(world)][rank]
+        got = []
+        t = torch.arange(6, dtype=torch.float32) + rank
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mine)
+        got.append(t)
+        t = torch.arange(6, dtype=torch.float32) * (rank + 2)
+        dist.reduce(t, dst=rank, group=mine)
+        got.append(t)
+        t = torch.arange(3, dtype=torch.float32) - rank
+        dist.broadcast(t, src=rank, group=mine)
+        got.append(t)
+        out = [torch.empty(4)]
+        dist.all_gather(out, torch.full((4,), float(rank)), group=mine)
+        got += out
+        big = torch.empty(4)
+        all_gather_single(big, torch.arange(4, dtype=torch.float32) + 10 * rank, group=mine)
+        got.append(big)
+        share = torch.empty(5)
+        reduce_scatter_single(share, torch.arange(5, dtype=torch.float32) + rank, group=mine)
+        got.append(share)
+        listed = torch.empty(2)
+        dist.reduce_scatter(listed, [torch.full((2,), 3.0 + rank)], group=mine)
+        got.append(listed)
+        gl = [torch.empty(3)]
+        dist.gather(torch.full((3,), float(rank) + 0.5), gather_list=gl, dst=rank, group=mine)
+        got += gl
+        sc = torch.empty(3)
+        dist.scatter(sc, [torch.full((3,), 7.0 + rank)], src=rank, group=mine)
+        got.append(sc)
+        a2a = torch.empty(4)
+        dist.all_to_all_single(a2a, torch.arange(4, dtype=torch.float32) * (rank + 1), group=mine)
+        got.append(a2a)
+        lists = [torch.empty(2)]
+        dist.all_to_all(lists, [torch.full((2,), 5.0 - rank)], group=mine)
+        got += lists
+        dist.barrier(group=mine)
+        results[backend] = [g.tolist() for g in got]
+    return results
+
+
+def test_groups_of_one_rank_do_what_gloos_do():
+    for res in run_ranks(_groups_of_one, 2):
+        assert res["ccl"] == res["gloo"], res

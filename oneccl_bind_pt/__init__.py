@@ -84,12 +84,24 @@ _defaults_applied = False
 _defaults_lock = threading.Lock()
 
 
+def _new_defaults_lock():
+    global _defaults_lock
+    _defaults_lock = threading.Lock()  # one held by another thread at a fork would stay held
+
+
+os.register_at_fork(after_in_child=_new_defaults_lock)
+
+
 def _before_group(store, rank, size, timeout):
     """Called by every ProcessGroupCCL construction, init_process_group's and one built
     directly (torch-ccl's usage), with this creation's keys: oneCCL's defaults, before the
     process's first group."""
     global _defaults_applied
-    with _defaults_lock:  # two threads making groups: one sets them, the other finds them set
+    # Two threads making groups: one sets them, the other finds them set (within its timeout).
+    if not _defaults_lock.acquire(timeout=timeout.total_seconds()):
+        raise _dist.DistBackendError(f"ccl: another thread of this process was still setting oneCCL's defaults "
+                                     f"for its first process group after this group's timeout ({timeout})")
+    try:
         if _defaults_applied:
             _post_answers(store, rank)  # for ranks of this group whose first ccl group it is
             return
@@ -99,6 +111,8 @@ def _before_group(store, rank, size, timeout):
             _C._announce_failure(store, rank, getattr(e, "announce", None) or str(e))
             raise
         _defaults_applied = True
+    finally:
+        _defaults_lock.release()
     # DeepSpeed imports us from inside its own comm module, before that module
     # has defined what the fix patches; by now it has.
     _integrations.install()

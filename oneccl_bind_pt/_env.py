@@ -162,8 +162,10 @@ def _rendezvous_error(text: str, announce: str | None = None):
     return error
 
 
-# The longest pause between two looks at the store while the first group's ranks come.
-_LOOK_EVERY_S = 0.05
+def _look_every(size: int) -> float:
+    """The longest pause between two looks at the store while the first group's ranks come: 50 ms,
+    longer for large groups (every rank looks: rank 0's store serves them all)."""
+    return 0.05 * max(1.0, size / 64)
 
 # This process's answers in its first group's exchanges (name -> value), and what it would have
 # answered in the ones that group did not hold: a later group may be another rank's first, and
@@ -194,11 +196,14 @@ def _exchange(store, rank: int, size: int, name: str, mine: str, timeout: timede
     _answers[name] = mine
     deadline = time.monotonic() + timeout.total_seconds()
     pause = 0.001
+    first_missing = 0  # keys before it are in: each look asks only from there
     while True:
         # Looked at, not waited for: a rank that failed before it came here is seen at the next
         # look, and a wait that runs out has torch's store client log two warnings each time
         # (ranks a torchrun starts come seconds apart under load).
-        if store.check(keys):
+        while first_missing < size and store.check([keys[first_missing]]):
+            first_missing += 1
+        if first_missing == size:
             return [value.decode() for value in store.multi_get(keys)]
         if store.check([_FAILED_KEY]):
             raise _rendezvous_error(
@@ -212,7 +217,7 @@ def _exchange(store, rank: int, size: int, name: str, mine: str, timeout: timede
                 f"ranks: {missing}. Every rank must create the group (init_process_group / new_group) and none may "
                 "have exited.", announce=f"it waited {seconds} s for the other ranks; missing ranks: {missing}")
         time.sleep(min(pause, left))
-        pause = min(2 * pause, _LOOK_EVERY_S)
+        pause = min(2 * pause, _look_every(size))
 
 
 def host_identity() -> str:
@@ -319,14 +324,16 @@ def _interface_across_hosts(store, rank: int, size: int, env: MutableMapping[str
     others: list[str] = []
     deadline = time.monotonic() + min(timeout.total_seconds(), _PEER_ROUTE_WAIT_S)
     pause = 0.001
+    present: list[str] = []
     while True:
-        present = [key for key in keys if store.check([key])]
-        others = [a for a in (store.get(key).decode() for key in present) if a and not _loopback(a)]
+        new = [key for key in keys if key not in present and store.check([key])]
+        present += new
+        others += [a for a in (store.get(key).decode() for key in new) if a and not _loopback(a)]
         left = deadline - time.monotonic()
         if others or len(present) == size or left <= 0:
             break
         time.sleep(min(pause, left))  # looked at, not waited for (see _exchange)
-        pause = min(2 * pause, _LOOK_EVERY_S)
+        pause = min(2 * pause, _look_every(size))
     for destination in others + ["192.0.2.1"]:  # a documentation address: the default route
         peer = _route_towards(destination)
         if peer and not _loopback(peer[0]) and peer[1]:
@@ -458,6 +465,7 @@ def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str
     """Set oneCCL's variables for the first process group (see the module docstring). `timeout`:
     the group's (by default the store's), for the exchanges with the other ranks."""
     timeout = timeout or store.timeout
+    _answers.clear()  # a failed try's answers do not stand
     # Left by a parent that made a ccl group: every value still as it set it goes, and is set
     # afresh below for this process's group (or not at all, as CCL_WORKER_COUNT may not be).
     for name in [n for n in _inherited(env) if n in env and not set_by_user(env, n)]:
@@ -506,6 +514,10 @@ def apply_ccl_defaults(store, rank: int, size: int, env: MutableMapping[str, str
     _answers.setdefault("host", f"{shm_flag} {host_identity()}")
     _answers.setdefault("shm", shm_flag)
     _answers["workers"] = env.get("CCL_WORKER_COUNT", "0")  # the count it runs with: after the group's agreement
+    if "route" not in _answers:
+        host = _master_host(store, env)
+        route = _route_towards(host) if host else None
+        _answers["route"] = route[0] if route else ""
     _set_default(env, "CCL_PMI_FORCE_FINALIZE", "1")
     _set_default(env, "CCL_LOG_LEVEL", "error")
     _set_default(env, "TORCH_INCLUDE_STACK_TRACE", "0")

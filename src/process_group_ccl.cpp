@@ -71,11 +71,11 @@ ProcessGroupCCL::ProcessGroupCCL(
 ProcessGroupCCL::~ProcessGroupCCL() = default;
 
 void ProcessGroupCCL::check_own_settings(const c10::intrusive_ptr<c10d::Store>& keys, int rank, int size) {
-  CCL_CHECK_ARG(size > 0 && rank >= 0 && rank < size, "ccl: invalid rank ", rank, " for a process group of size ",
-                size);
   // What can be refused before the package's defaults are set: nothing here reads them, nor
   // chooses what depends on them (the helper count, from CCL_LOCAL_SIZE and CCL_WORKER_COUNT).
-  told_if_throws(keys, rank, [] {
+  told_if_throws(keys, rank, [rank, size] {
+    CCL_CHECK_ARG(size > 0 && rank >= 0 && rank < size, "ccl: invalid rank ", rank, " for a process group of size ",
+                  size);
     kernels();
     check_helper_settings();
     ShmLimits::asked_chunk_bytes();

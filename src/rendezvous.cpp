@@ -140,7 +140,8 @@ std::string settings_disagreement(c10d::Store& store, int size) {
   }
   return "the ranks of this process group have different oneCCL settings, which must be the same on "
          "every rank: " + differ + ". Give each the same value on every rank (oneccl_bind_pt chooses them alike "
-         "where you leave them unset)";
+         "where you leave them unset, at each process's first ccl group: where processes made different ccl groups "
+         "first, make one of all ranks first, e.g. init_process_group(\"ccl\"))";
 }
 
 // Makes `reason` the group's failure, unless a rank announced one first (that one stands: a

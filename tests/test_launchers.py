@@ -84,7 +84,7 @@ def test_a_late_rank_under_torchrun_brings_no_store_warnings(tmp_path):
     took = dict(re.findall(r"rank (\d) init took ([\d.]+) s sum 2", out))
     assert sorted(took) == ["0", "1"], out
     assert float(took["0"]) >= 1.4, out  # rank 0 did wait for the late one
-    assert "socket.cpp" not in out and "waitForInput" not in out, out
+    assert "waitForInput" not in out and "timed out after" not in out, out
 
 
 def test_mpirun_ddp_example():

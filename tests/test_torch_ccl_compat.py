@@ -97,7 +97,7 @@ def _direct_first(rank, world):
 def test_a_group_made_directly_first_gets_the_package_defaults():
     for rank, (env, x, path, helpers) in enumerate(run_ranks(_direct_first, 2, backend="gloo",
                                                              env={"ONECCL_BIND_PT_HELPERS": ""})):
-        assert "/ 2 ranks on this host" in helpers, helpers  # the count knows the host's other rank
+        assert "2 ranks" in helpers, helpers  # the count knows the host's other rank (however it divides)
         assert env == {"CCL_LOCAL_RANK": str(rank), "CCL_LOCAL_SIZE": "2", "CCL_ATL_TRANSPORT": "ofi"}, env
         assert x == [1.0, 3.0, 5.0, 7.0], x
         assert path == "shm", path

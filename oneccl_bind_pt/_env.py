@@ -164,8 +164,9 @@ def _rendezvous_error(text: str, announce: str | None = None):
 
 def _look_every(size: int) -> float:
     """The longest pause between two looks at the store while the first group's ranks come: 50 ms,
-    longer for large groups (every rank looks: rank 0's store serves them all)."""
+    longer for groups over 64 ranks (every rank looks, and rank 0's store serves them all)."""
     return 0.05 * max(1.0, size / 64)
+
 
 # This process's answers in its first group's exchanges (name -> value), and what it would have
 # answered in the ones that group did not hold: a later group may be another rank's first, and
@@ -196,14 +197,12 @@ def _exchange(store, rank: int, size: int, name: str, mine: str, timeout: timede
     _answers[name] = mine
     deadline = time.monotonic() + timeout.total_seconds()
     pause = 0.001
-    first_missing = 0  # keys before it are in: each look asks only from there
     while True:
         # Looked at, not waited for: a rank that failed before it came here is seen at the next
         # look, and a wait that runs out has torch's store client log two warnings each time
-        # (ranks a torchrun starts come seconds apart under load).
-        while first_missing < size and store.check([keys[first_missing]]):
-            first_missing += 1
-        if first_missing == size:
+        # (ranks a torchrun starts come seconds apart under load). Two requests a look, whatever
+        # the group's size: rank 0's store serves every rank's.
+        if store.check(keys):
             return [value.decode() for value in store.multi_get(keys)]
         if store.check([_FAILED_KEY]):
             raise _rendezvous_error(
